@@ -1,0 +1,1 @@
+"""Benchmarks behind ``gradwire bench ...``: each prints a table and can write JSON."""

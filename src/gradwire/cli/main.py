@@ -1,0 +1,63 @@
+"""Entry point of the ``gradwire`` command.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only maps command words to modules, imported lazily so that
+``gradwire --help`` stays fast and one broken command cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+#: (group, command) -> (module, one-line help). A group of None is a top-level command.
+COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
+    ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
+    ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
+    ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),
+    ("lowrank", "summary"): ("gradwire.lowrank.report", "per-layer report of a factorized model"),
+}
+GROUP_HELP = {"bench": "benchmarks that print tables (and --json)", "lowrank": "Pufferfish low-rank models"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradwire", description="Send fewer gradient bytes in PyTorch DDP.")
+    top = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for (group, name), (module_name, help_text) in COMMANDS.items():
+        if group is None:
+            target = top
+        else:
+            if group not in groups:
+                group_parser = top.add_parser(group, help=GROUP_HELP.get(group, ""))
+                groups[group] = group_parser.add_subparsers(dest="subcommand", metavar="WHAT", required=True)
+            target = groups[group]
+        sub = target.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if not (error.name or "").startswith("gradwire"):
+                raise
+            sub.set_defaults(_missing=str(error))
+            continue
+        module.add_arguments(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_module", None) is None:
+        parser.print_help()
+        return 0
+    if getattr(args, "_missing", None):
+        print(f"gradwire: this command is not available in this build ({args._missing})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Codec base classes and the registries, in the manner of numcodecs.
+
+Two kinds of codec, each with its own registry:
+
+* :class:`IndexCodec` turns a strictly ascending set of positions (numpy int64) into bytes and
+  back. It knows the dense size ``numel``; on decode it is also told how many positions to
+  produce (``count``, carried by the payload header).
+* :class:`ValueCodec` turns a 1-D float tensor (on the CPU) into bytes and back. On decode it is
+  told ``count`` and the dtype to return.
+
+A codec is a small object holding its parameters. ``get_config()`` returns a plain dict with an
+``"id"`` key; ``from_config`` rebuilds an equal codec. Everything a decoder needs that the
+header does not carry (a bit width, a seed, fitted coefficients) travels inside the codec's own
+section, so a payload decodes with no configuration at all.
+
+Codecs know nothing of sparsifiers, ranks or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+
+from ..errors import check_choice
+
+
+class Codec(ABC):
+    """Parameters, config round-trip, equality and repr shared by every codec.
+
+    Subclasses take their parameters as keyword arguments of ``__init__``, validate them there
+    (``ValueError`` naming the option and what is allowed) and keep each under the same
+    attribute name, so :meth:`get_config` can read them back.
+    """
+
+    #: Registry name, e.g. ``"eliasfano"``.
+    name: ClassVar[str]
+    #: One byte naming the codec inside a payload; unique within its registry, never reused.
+    wire_id: ClassVar[int]
+    #: Whether decode(encode(x)) == x bit for bit.
+    lossless: ClassVar[bool] = True
+
+    @classmethod
+    def parameter_names(cls) -> tuple[str, ...]:
+        """The keyword parameters ``__init__`` accepts."""
+        signature = inspect.signature(cls.__init__)
+        return tuple(
+            name
+            for name, parameter in signature.parameters.items()
+            if name != "self" and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        """``{"id": name, **parameters}``: plain Python values, JSON-serializable."""
+        config: dict[str, Any] = {"id": self.name}
+        for parameter in self.parameter_names():
+            config[parameter] = getattr(self, parameter)
+        return config
+
+    @classmethod
+    def from_config(cls: type[_C], config: dict[str, Any]) -> _C:
+        """Rebuild a codec from :meth:`get_config` output."""
+        config = dict(config)
+        codec_id = config.pop("id", cls.name)
+        if codec_id != cls.name:
+            raise ValueError(f"config id {codec_id!r} does not name codec {cls.name!r}")
+        return cls(**config)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.get_config().items())))
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({params})"
+
+
+_C = TypeVar("_C", bound=Codec)
+
+
+@dataclass
+class IndexEncoding:
+    """What an index codec produced.
+
+    ``data``: the section bytes. ``positions``: int64 array, strictly ascending, the positions
+    the decoder will reconstruct — the input itself for lossless codecs; for a Bloom filter the
+    positives the chosen policy sends. ``stats``: codec-specific counters (e.g. false positives).
+    """
+
+    data: bytes
+    positions: np.ndarray
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class IndexCodec(Codec):
+    """Strictly ascending int64 positions in ``[0, numel)`` <-> bytes."""
+
+    @abstractmethod
+    def encode(self, indices: np.ndarray, numel: int) -> IndexEncoding:
+        """Encode ``indices`` (int64, shape (k,), strictly ascending, in ``[0, numel)``)."""
+
+    @abstractmethod
+    def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
+        """Return ``count`` positions (int64, strictly ascending, in ``[0, numel)``).
+
+        Raises :class:`~gradwire.errors.DecodeError` on any inconsistency; allocates no more than
+        a small multiple of ``len(data) + count``, except codecs that by design query every one
+        of the ``numel`` positions (Bloom), which bound ``numel`` themselves.
+        """
+
+
+class ValueCodec(Codec):
+    """1-D float tensor (CPU) <-> bytes."""
+
+    @abstractmethod
+    def encode(self, values: torch.Tensor) -> bytes:
+        """Encode ``values``: shape (k,), dtype float16/bfloat16/float32/float64, on the CPU."""
+
+    @abstractmethod
+    def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """Return ``count`` values of ``dtype`` (shape (count,), CPU)."""
+
+    def encode_with_reconstruction(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """Encode and also return exactly what the receiver will decode.
+
+        Error feedback needs the latter: the residual is what was meant minus what arrives.
+        Lossless codecs return ``values`` itself; lossy ones decode their own bytes unless they
+        override this with something cheaper.
+        """
+        data = self.encode(values)
+        if self.lossless:
+            return data, values
+        return data, self.decode(memoryview(data), values.numel(), values.dtype)
+
+
+_INDEX_CODECS: dict[str, type[IndexCodec]] = {}
+_VALUE_CODECS: dict[str, type[ValueCodec]] = {}
+
+
+def _register(registry: dict[str, type], cls: type) -> type:
+    for existing in registry.values():
+        if existing.wire_id == cls.wire_id and existing is not cls:
+            raise ValueError(f"wire id {cls.wire_id} of {cls.name!r} is taken by {existing.name!r}")
+    if not 1 <= cls.wire_id <= 255:
+        raise ValueError(f"wire id of {cls.name!r} must be in 1..255")
+    registry[cls.name] = cls
+    return cls
+
+
+def register_index_codec(cls: type[IndexCodec]) -> type[IndexCodec]:
+    """Class decorator: make ``cls`` available by ``cls.name`` and ``cls.wire_id``."""
+    return _register(_INDEX_CODECS, cls)
+
+
+def register_value_codec(cls: type[ValueCodec]) -> type[ValueCodec]:
+    """Class decorator: make ``cls`` available by ``cls.name`` and ``cls.wire_id``."""
+    return _register(_VALUE_CODECS, cls)
+
+
+def index_codec_classes() -> dict[str, type[IndexCodec]]:
+    return dict(_INDEX_CODECS)
+
+
+def value_codec_classes() -> dict[str, type[ValueCodec]]:
+    return dict(_VALUE_CODECS)
+
+
+def _resolve(kind: str, registry: dict[str, type], spec: Any, params: dict[str, Any]) -> Any:
+    if isinstance(spec, Codec):
+        if params:
+            raise ValueError(f"{kind} was given as an instance; pass its options to its constructor")
+        return spec
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        name = spec.pop("id", None)
+        params = {**spec, **params}
+    else:
+        name = spec
+    check_choice(kind, name, sorted(registry))
+    cls = registry[name]
+    allowed = cls.parameter_names()
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{kind} {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}"
+        )
+    return cls(**params)
+
+
+def get_index_codec(spec: "str | dict[str, Any] | IndexCodec", **params: Any) -> IndexCodec:
+    """An index codec from a name (+ options), a config dict, or an instance (returned as is)."""
+    return _resolve("index_codec", _INDEX_CODECS, spec, params)
+
+
+def get_value_codec(spec: "str | dict[str, Any] | ValueCodec", **params: Any) -> ValueCodec:
+    """A value codec from a name (+ options), a config dict, or an instance (returned as is)."""
+    return _resolve("value_codec", _VALUE_CODECS, spec, params)
+
+
+def index_codec_by_wire_id(wire_id: int) -> "type[IndexCodec] | None":
+    return next((c for c in _INDEX_CODECS.values() if c.wire_id == wire_id), None)
+
+
+def value_codec_by_wire_id(wire_id: int) -> "type[ValueCodec] | None":
+    return next((c for c in _VALUE_CODECS.values() if c.wire_id == wire_id), None)

@@ -1,0 +1,205 @@
+"""Vectorized bit-level building blocks shared by the codecs.
+
+Every function works on whole numpy arrays: no Python loop runs per element. Bit order is
+little-endian throughout: bit 0 of the first value is bit 0 of the first byte.
+
+Decoders take their sizes from a length they were given and check it against the bytes they
+hold *before* allocating, so hostile lengths raise :class:`~gradwire.errors.DecodeError`
+instead of allocating gigabytes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ..errors import DecodeError, require
+
+#: Largest dense tensor a payload may describe (elements). Bounds every allocation a decoder makes.
+MAX_NUMEL = 1 << 40
+
+
+def bit_width(max_value: int) -> int:
+    """Bits needed to write every integer in ``[0, max_value]`` (0 for ``max_value == 0``)."""
+    return int(max_value).bit_length()
+
+
+def pack_uint(values: np.ndarray, width: int) -> bytes:
+    """Pack non-negative integers of ``width`` bits each (0 <= width <= 64) into bytes.
+
+    ``values``: 1-D integer array, every element < 2**width. Output has
+    ``ceil(len(values) * width / 8)`` bytes.
+    """
+    if not 0 <= width <= 64:
+        raise ValueError(f"width={width} is not in [0, 64]")
+    values = np.ascontiguousarray(values).astype(np.uint64, copy=False).reshape(-1)
+    if width == 0 or values.size == 0:
+        return b""
+    if width in (8, 16, 32, 64):
+        return values.astype(f"<u{width // 8}").tobytes()
+    byte_width = (width + 7) // 8
+    as_bytes = values.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :byte_width]
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_uint(data: "bytes | memoryview | np.ndarray", count: int, width: int) -> np.ndarray:
+    """Inverse of :func:`pack_uint`: ``count`` integers of ``width`` bits, as uint64.
+
+    Raises DecodeError when ``data`` holds fewer than ``count * width`` bits.
+    """
+    require(0 <= width <= 64, f"bit width {width} is not in [0, 64]")
+    require(count >= 0, "negative element count")
+    buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    need_bits = count * width
+    require(buf.size * 8 >= need_bits, f"need {need_bits} bits, have {buf.size * 8}")
+    if width == 0 or count == 0:
+        return np.zeros(count, dtype=np.uint64)
+    if width in (8, 16, 32, 64):
+        return buf[: count * width // 8].view(f"<u{width // 8}").astype(np.uint64)
+    bits = np.unpackbits(buf[: (need_bits + 7) // 8], count=need_bits, bitorder="little")
+    bits = bits.reshape(count, width)
+    byte_width = (width + 7) // 8
+    padded = np.zeros((count, byte_width * 8), dtype=np.uint8)
+    padded[:, :width] = bits
+    packed = np.packbits(padded, axis=1, bitorder="little")
+    out = np.zeros((count, 8), dtype=np.uint8)
+    out[:, :byte_width] = packed
+    return out.view("<u8").reshape(-1).astype(np.uint64, copy=False)
+
+
+def pack_unary(quotients: np.ndarray) -> tuple[bytes, int]:
+    """Unary code: each q becomes q zero bits then a one bit. Returns (bytes, total bits)."""
+    quotients = np.asarray(quotients, dtype=np.int64).reshape(-1)
+    if quotients.size == 0:
+        return b"", 0
+    ones = np.cumsum(quotients + 1) - 1
+    total = int(ones[-1]) + 1
+    bits = np.zeros(total, dtype=np.uint8)
+    bits[ones] = 1
+    return np.packbits(bits, bitorder="little").tobytes(), total
+
+
+def unpack_unary(data: "bytes | memoryview", count: int) -> np.ndarray:
+    """Inverse of :func:`pack_unary`: the first ``count`` quotients (int64)."""
+    require(count >= 0, "negative element count")
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    require(buf.size * 8 >= count, f"unary stream of {buf.size} bytes cannot hold {count} codes")
+    ones = np.flatnonzero(np.unpackbits(buf, bitorder="little"))
+    require(ones.size >= count, f"unary stream holds {ones.size} codes, expected {count}")
+    ones = ones[:count]
+    quotients = np.empty(count, dtype=np.int64)
+    quotients[0] = ones[0]
+    quotients[1:] = np.diff(ones) - 1
+    return quotients
+
+
+def encode_varint(values: np.ndarray) -> bytes:
+    """LEB128: 7 bits per byte, high bit set on every byte but a value's last."""
+    values = np.asarray(values).astype(np.uint64, copy=False).reshape(-1)
+    if values.size == 0:
+        return b""
+    # bytes per value: 1 for < 2^7, 2 for < 2^14, ... 10 for the full 64 bits
+    widths = np.maximum(1, (_bit_lengths(values) + 6) // 7)
+    max_width = int(widths.max())
+    shifts = np.arange(max_width, dtype=np.uint64) * np.uint64(7)
+    groups = ((values[:, None] >> shifts) & np.uint64(0x7F)).astype(np.uint8)
+    columns = np.arange(max_width)
+    groups[columns[None, :] < (widths[:, None] - 1)] |= 0x80
+    return groups[columns[None, :] < widths[:, None]].tobytes()
+
+
+def decode_varint(data: "bytes | memoryview", count: int) -> np.ndarray:
+    """Inverse of :func:`encode_varint`: exactly ``count`` values, using every byte of ``data``."""
+    require(count >= 0, "negative element count")
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if count == 0:
+        require(buf.size == 0, "trailing bytes after varints")
+        return np.zeros(0, dtype=np.uint64)
+    require(buf.size >= count, f"{buf.size} bytes cannot hold {count} varints")
+    ends = np.flatnonzero(buf < 0x80)
+    require(ends.size == count, f"found {ends.size} varints, expected {count}")
+    require(int(ends[-1]) == buf.size - 1, "trailing bytes after varints")
+    starts = np.empty(count, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    require(int(lengths.max()) <= 10, "varint longer than 10 bytes")
+    group_of_byte = np.repeat(np.arange(count), lengths)
+    position = np.arange(buf.size) - starts[group_of_byte]
+    contrib = (buf & 0x7F).astype(np.uint64) << (position.astype(np.uint64) * np.uint64(7))
+    return np.bitwise_or.reduceat(contrib, starts)
+
+
+def _bit_lengths(values: np.ndarray) -> np.ndarray:
+    """Bit length of each uint64 (0 for 0), vectorized."""
+    values = values.astype(np.uint64, copy=False)
+    lengths = np.zeros(values.shape, dtype=np.int64)
+    remaining = values.copy()
+    for step in (32, 16, 8, 4, 2, 1):  # binary search over 6 steps, not a per-element loop
+        big = remaining >= (np.uint64(1) << np.uint64(step))
+        lengths[big] += step
+        remaining[big] >>= np.uint64(step)
+    lengths += (remaining > 0).astype(np.int64)
+    return lengths
+
+
+bit_lengths = _bit_lengths
+
+
+class ByteReader:
+    """A bounds-checked cursor over bytes; every read past the end raises DecodeError."""
+
+    def __init__(self, data: "bytes | memoryview") -> None:
+        self.view = memoryview(data).cast("B")
+        self.offset = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.view) - self.offset
+
+    def take(self, size: int, what: str = "field") -> memoryview:
+        require(0 <= size <= self.remaining, f"truncated: {what} needs {size} bytes, {self.remaining} left")
+        out = self.view[self.offset : self.offset + size]
+        self.offset += size
+        return out
+
+    def unpack(self, fmt: str, what: str = "field") -> tuple:
+        size = struct.calcsize(fmt)
+        return struct.unpack(fmt, self.take(size, what))
+
+    def u8(self, what: str = "u8") -> int:
+        return self.unpack("<B", what)[0]
+
+    def u32(self, what: str = "u32") -> int:
+        return self.unpack("<I", what)[0]
+
+    def u64(self, what: str = "u64") -> int:
+        return self.unpack("<Q", what)[0]
+
+    def f64(self, what: str = "f64") -> float:
+        return self.unpack("<d", what)[0]
+
+    def rest(self) -> memoryview:
+        return self.take(self.remaining, "rest")
+
+    def expect_end(self) -> None:
+        require(self.remaining == 0, f"{self.remaining} trailing bytes")
+
+
+__all__ = [
+    "MAX_NUMEL",
+    "ByteReader",
+    "DecodeError",
+    "bit_lengths",
+    "bit_width",
+    "decode_varint",
+    "encode_varint",
+    "pack_unary",
+    "pack_uint",
+    "unpack_unary",
+    "unpack_uint",
+]

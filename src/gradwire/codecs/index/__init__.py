@@ -1,0 +1,1 @@
+"""Index codecs: one module per codec; each registers itself on import."""

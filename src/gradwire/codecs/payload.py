@@ -1,0 +1,307 @@
+"""The self-describing wire format: one or more sparse tensors in one byte string.
+
+Layout (little-endian; see docs/wire-format.md for the full table)::
+
+    magic  b"GWSP"          4 bytes
+    version                 u8   (1)
+    flags                   u8   (0; non-zero is refused)
+    tensor count            u16
+    per tensor, 28 bytes:   value dtype u8, index codec id u8, value codec id u8, reserved u8,
+                            numel u64, count u64, index section bytes u32, value section bytes u32
+    sections                index section then value section, tensor after tensor
+    checksum                xxh3-64 of every byte above, u64
+
+The decoder checks magic, version and checksum before it parses anything, then bounds every
+length by the bytes actually present. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import DecodeError, require
+from .base import (
+    IndexCodec,
+    ValueCodec,
+    get_index_codec,
+    get_value_codec,
+    index_codec_by_wire_id,
+    value_codec_by_wire_id,
+)
+from .bits import MAX_NUMEL
+
+MAGIC = b"GWSP"
+VERSION = 1
+_PREAMBLE = struct.Struct("<4sBBH")
+_RECORD = struct.Struct("<BBBBQQII")
+_CHECKSUM = struct.Struct("<Q")
+MAX_TENSORS = 4096
+
+#: Value dtypes a payload can carry, by their one-byte code.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+}
+_DTYPE_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor as the sender put it on the wire.
+
+    ``indices`` and ``values`` are exactly what the receiver will decode (CPU tensors): for a
+    lossy index codec the positions it sends, for a lossy value codec the reconstructed values.
+    Error feedback uses them to keep ``residual = meant - received``.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+    index_bytes: int
+    value_bytes: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EncodedPayload:
+    """A payload and, per tensor, what the receiver will reconstruct."""
+
+    payload: bytes
+    tensors: list[EncodedTensor]
+
+    @property
+    def bytes_on_wire(self) -> int:
+        return len(self.payload)
+
+
+def _values_at(positions: np.ndarray, indices: np.ndarray, values: torch.Tensor) -> torch.Tensor:
+    """Values of the sparse tensor (indices, values) at ``positions``; zero where absent."""
+    if positions is indices:
+        return values
+    slot = np.searchsorted(indices, positions)
+    slot = np.minimum(slot, max(indices.size - 1, 0))
+    present = indices[slot] == positions if indices.size else np.zeros(positions.size, dtype=bool)
+    out = torch.zeros(positions.size, dtype=values.dtype)
+    present_t = torch.from_numpy(present)
+    out[present_t] = values[torch.from_numpy(slot[present])]
+    return out
+
+
+def _check_sparse(values: torch.Tensor, indices: torch.Tensor, numel: int) -> None:
+    if not isinstance(numel, (int, np.integer)) or isinstance(numel, bool):
+        raise ValueError(f"numel must be an int, got {type(numel).__name__}")
+    if not 0 <= numel <= MAX_NUMEL:
+        raise ValueError(f"numel={numel} is not in [0, 2**40]")
+    if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
+        raise ValueError("values and indices must be 1-D tensors of the same length")
+    if values.dtype not in DTYPE_CODES:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
+        raise ValueError(f"values dtype {values.dtype} is not supported; allowed: {allowed}")
+    if indices.numel():
+        if int(indices.min()) < 0 or int(indices.max()) >= numel:
+            raise ValueError(f"indices must lie in [0, {numel})")
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise ValueError("indices must be strictly ascending (sorted, no duplicates)")
+
+
+def encode_tensors(
+    tensors: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+    index_codec: IndexCodec,
+    value_codec: ValueCodec,
+    *,
+    check: bool = True,
+) -> EncodedPayload:
+    """Encode several sparse tensors ``(values, indices, numel)`` into one payload.
+
+    ``values``: (k,) float16/bfloat16/float32/float64 on any device; ``indices``: (k,) int64,
+    strictly ascending. ``check=False`` skips validating the indices (callers that built them).
+    """
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(f"at most {MAX_TENSORS} tensors per payload, got {len(tensors)}")
+    records: list[bytes] = []
+    sections: list[bytes] = []
+    encoded: list[EncodedTensor] = []
+    for values, indices, numel in tensors:
+        values = values.detach().reshape(-1).cpu()
+        indices = indices.detach().reshape(-1).to("cpu", torch.int64)
+        numel = int(numel)
+        if check:
+            _check_sparse(values, indices, numel)
+        index_np = indices.numpy()
+        index_result = index_codec.encode(index_np, numel)
+        positions = index_result.positions
+        sent = _values_at(positions, index_np, values).contiguous()
+        value_data, received = value_codec.encode_with_reconstruction(sent)
+        index_data = index_result.data
+        if len(index_data) >= 1 << 32 or len(value_data) >= 1 << 32:
+            raise ValueError("a section of 4 GiB or more does not fit the payload format")
+        records.append(
+            _RECORD.pack(
+                DTYPE_CODES[values.dtype],
+                index_codec.wire_id,
+                value_codec.wire_id,
+                0,
+                numel,
+                int(positions.size),
+                len(index_data),
+                len(value_data),
+            )
+        )
+        sections += [index_data, value_data]
+        out_indices = indices if positions is index_np else torch.from_numpy(positions)
+        encoded.append(
+            EncodedTensor(out_indices, received, numel, len(index_data), len(value_data), index_result.stats)
+        )
+    body = b"".join([_PREAMBLE.pack(MAGIC, VERSION, 0, len(tensors)), *records, *sections])
+    return EncodedPayload(body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), encoded)
+
+
+def decode_tensors(payload: "bytes | bytearray | memoryview") -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Decode every tensor of a payload into ``(values, indices, numel)`` (CPU tensors).
+
+    Raises :class:`DecodeError` on anything but a well-formed payload.
+    """
+    try:
+        view = memoryview(payload).cast("B")
+    except TypeError as error:
+        raise DecodeError(f"payload must be bytes-like, got {type(payload).__name__}") from error
+    require(len(view) >= _PREAMBLE.size + _CHECKSUM.size, f"truncated: payload of {len(view)} bytes")
+    magic, version, flags, count = _PREAMBLE.unpack_from(view, 0)
+    require(magic == MAGIC, "not a gradwire payload (bad magic)")
+    require(version == VERSION, f"payload format version {version} is not supported (this build reads {VERSION})")
+    body = view[: len(view) - _CHECKSUM.size]
+    (checksum,) = _CHECKSUM.unpack_from(view, len(body))
+    require(xxhash.xxh3_64_intdigest(body) == checksum, "checksum mismatch: payload corrupt or truncated")
+    require(flags == 0, f"unknown flags {flags:#x}")
+    require(count <= MAX_TENSORS, f"tensor count {count} exceeds {MAX_TENSORS}")
+    offset = _PREAMBLE.size
+    require(len(body) >= offset + count * _RECORD.size, "truncated tensor records")
+    records = [_RECORD.unpack_from(body, offset + i * _RECORD.size) for i in range(count)]
+    offset += count * _RECORD.size
+    out = []
+    for dtype_code, index_id, value_id, reserved, numel, n_values, index_len, value_len in records:
+        require(reserved == 0, "reserved byte is not zero")
+        require(dtype_code in _DTYPE_BY_CODE, f"unknown value dtype code {dtype_code}")
+        require(numel <= MAX_NUMEL, f"numel {numel} exceeds 2**40")
+        require(n_values <= numel, f"{n_values} values for a tensor of {numel} elements")
+        index_cls = index_codec_by_wire_id(index_id)
+        value_cls = value_codec_by_wire_id(value_id)
+        require(index_cls is not None, f"unknown index codec id {index_id}")
+        require(value_cls is not None, f"unknown value codec id {value_id}")
+        require(offset + index_len + value_len <= len(body), "truncated sections")
+        index_data = body[offset : offset + index_len]
+        value_data = body[offset + index_len : offset + index_len + value_len]
+        offset += index_len + value_len
+        indices = _decode_section(lambda: index_cls().decode(index_data, numel, n_values))
+        _check_decoded_indices(indices, numel, n_values)
+        dtype = _DTYPE_BY_CODE[dtype_code]
+        values = _decode_section(lambda: value_cls().decode(value_data, n_values, dtype))
+        require(
+            isinstance(values, torch.Tensor) and values.shape == (n_values,) and values.dtype == dtype,
+            "value codec returned the wrong shape or dtype",
+        )
+        out.append((values, torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)), int(numel)))
+    require(offset == len(body), f"{len(body) - offset} trailing bytes")
+    return out
+
+
+def _decode_section(run: Any) -> Any:
+    """Run a codec's decode; anything but DecodeError from it is a codec bug on hostile bytes,
+    reported as DecodeError so callers see one exception type."""
+    try:
+        return run()
+    except DecodeError:
+        raise
+    except (ValueError, IndexError, OverflowError, KeyError, TypeError, RuntimeError, MemoryError,
+            ZeroDivisionError, struct.error) as error:
+        raise DecodeError(f"malformed section: {type(error).__name__}: {error}") from error
+
+
+def _check_decoded_indices(indices: np.ndarray, numel: int, count: int) -> None:
+    require(isinstance(indices, np.ndarray) and indices.shape == (count,), "index codec returned the wrong count")
+    if count:
+        require(int(indices[0]) >= 0 and int(indices[-1]) < numel, "decoded index out of range")
+        require(bool(np.all(indices[1:] > indices[:-1])), "decoded indices are not strictly ascending")
+
+
+def encode(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    numel: int,
+    *,
+    value_codec: "str | dict | ValueCodec" = "fp32",
+    index_codec: "str | dict | IndexCodec" = "eliasfano",
+    **options: Any,
+) -> bytes:
+    """Encode one sparse tensor into a self-describing payload.
+
+    ``values``: (k,) float16/bfloat16/float32/float64; ``indices``: (k,) int64, strictly
+    ascending, in ``[0, numel)``. ``options`` are routed by name to the codec(s) that accept
+    them (e.g. ``bits=4`` to ``qsgd``, ``fpr=0.01`` to ``bloom``); an option no chosen codec
+    accepts is a ``ValueError``.
+
+    >>> import torch, gradwire.codecs as codecs
+    >>> payload = codecs.encode(torch.tensor([0.5, -2.0]), torch.tensor([3, 7]), 10, index_codec="rice")
+    >>> codecs.decode(payload)[1].tolist()
+    [3, 7]
+    """
+    return encode_sparse(values, indices, numel, value_codec=value_codec, index_codec=index_codec, **options).payload
+
+
+def resolve_codecs(
+    value_codec: "str | dict | ValueCodec", index_codec: "str | dict | IndexCodec", options: dict[str, Any]
+) -> tuple[ValueCodec, IndexCodec]:
+    """Build both codecs, routing each option to the codec(s) whose parameters name it.
+
+    A codec given as an instance takes no options (they were fixed when it was built).
+    """
+    from .base import Codec, index_codec_classes, value_codec_classes
+
+    def accepted(spec: Any, classes: dict[str, type]) -> tuple[str, ...]:
+        name = spec.get("id") if isinstance(spec, dict) else spec
+        if isinstance(spec, Codec) or name not in classes:
+            return ()  # instances take no options; an unknown name fails in get_*_codec below
+        return classes[name].parameter_names()
+
+    value_names = accepted(value_codec, value_codec_classes())
+    index_names = accepted(index_codec, index_codec_classes())
+    unknown = sorted(set(options) - set(value_names) - set(index_names))
+    if unknown:
+        allowed = sorted(set(value_names) | set(index_names))
+        raise ValueError(
+            f"option {', '.join(unknown)} is accepted by neither value_codec {value_codec!r} nor "
+            f"index_codec {index_codec!r}; allowed: {', '.join(allowed) or '(none)'}"
+        )
+    value_options = {k: v for k, v in options.items() if k in value_names}
+    index_options = {k: v for k, v in options.items() if k in index_names}
+    return get_value_codec(value_codec, **value_options), get_index_codec(index_codec, **index_options)
+
+
+def encode_sparse(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    numel: int,
+    *,
+    value_codec: "str | dict | ValueCodec" = "fp32",
+    index_codec: "str | dict | IndexCodec" = "eliasfano",
+    check: bool = True,
+    **options: Any,
+) -> EncodedPayload:
+    """Like :func:`encode`, but also return what the receiver will reconstruct (for error feedback)."""
+    values_codec_obj, index_codec_obj = resolve_codecs(value_codec, index_codec, options)
+    return encode_tensors([(values, indices, numel)], index_codec_obj, values_codec_obj, check=check)
+
+
+def decode(payload: "bytes | bytearray | memoryview") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Decode a one-tensor payload into ``(values, indices, numel)``; values keep the sender's dtype."""
+    tensors = decode_tensors(payload)
+    require(len(tensors) == 1, f"payload holds {len(tensors)} tensors; use decode_tensors")
+    return tensors[0]

@@ -1,0 +1,1 @@
+"""Value codecs: one module per codec; each registers itself on import."""

@@ -1,0 +1,23 @@
+"""Every registered codec passes the shared contract; per-codec files add what is particular."""
+
+from __future__ import annotations
+
+import pytest
+
+import gradwire.codecs as codecs
+
+from .contract import check_config, check_index_codec, check_value_codec
+
+
+@pytest.mark.parametrize("name", codecs.index_codecs())
+def test_index_codec_contract(name: str) -> None:
+    codec = codecs.get_index_codec(name)
+    check_config(codec)
+    check_index_codec(codec)
+
+
+@pytest.mark.parametrize("name", [n for n in codecs.value_codecs() if codecs.get_value_codec(n).lossless])
+def test_lossless_value_codec_contract(name: str) -> None:
+    codec = codecs.get_value_codec(name)
+    check_config(codec)
+    check_value_codec(codec)
