@@ -84,8 +84,6 @@ class EncodedPayload:
 
 def _values_at(positions: np.ndarray, indices: np.ndarray, values: torch.Tensor) -> torch.Tensor:
     """Values of the sparse tensor (indices, values) at ``positions``; zero where absent."""
-    if positions is indices:
-        return values
     slot = np.searchsorted(indices, positions)
     slot = np.minimum(slot, max(indices.size - 1, 0))
     present = indices[slot] == positions if indices.size else np.zeros(positions.size, dtype=bool)
@@ -118,18 +116,26 @@ def encode_tensors(
     value_codec: ValueCodec,
     *,
     check: bool = True,
+    dense: "Sequence[torch.Tensor | None] | None" = None,
 ) -> EncodedPayload:
     """Encode several sparse tensors ``(values, indices, numel)`` into one payload.
 
     ``values``: (k,) float16/bfloat16/float32/float64 on any device; ``indices``: (k,) int64,
     strictly ascending. ``check=False`` skips validating the indices (callers that built them).
+    ``dense``: per tensor, the dense tensor (``numel`` elements, any shape) the sparse one was
+    taken from, or None. A lossy index codec (Bloom) may send positions outside ``indices``;
+    their values are read from ``dense`` when given (DeepReduce's false-positive-aware
+    scheme: the error-compensated gradient), else taken as zero.
     """
+    if dense is not None and len(dense) != len(tensors):
+        raise ValueError(f"dense has {len(dense)} entries for {len(tensors)} tensors")
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"at most {MAX_TENSORS} tensors per payload, got {len(tensors)}")
     records: list[bytes] = []
     sections: list[bytes] = []
     encoded: list[EncodedTensor] = []
-    for values, indices, numel in tensors:
+    for position, (values, indices, numel) in enumerate(tensors):
+        source = dense[position] if dense is not None else None
         values = values.detach().reshape(-1).cpu()
         indices = indices.detach().reshape(-1).to("cpu", torch.int64)
         numel = int(numel)
@@ -138,7 +144,16 @@ def encode_tensors(
         index_np = indices.numpy()
         index_result = index_codec.encode(index_np, numel)
         positions = index_result.positions
-        sent = _values_at(positions, index_np, values).contiguous()
+        if positions is index_np:
+            sent = values
+        elif source is not None:
+            source = source.detach().reshape(-1)
+            if source.numel() != numel:
+                raise ValueError(f"dense has {source.numel()} elements, numel is {numel}")
+            sent = source[torch.from_numpy(positions).to(source.device)].cpu().to(values.dtype)
+        else:
+            sent = _values_at(positions, index_np, values)
+        sent = sent.contiguous()
         value_data, received = value_codec.encode_with_reconstruction(sent)
         index_data = index_result.data
         if len(index_data) >= 1 << 32 or len(value_data) >= 1 << 32:
@@ -293,11 +308,17 @@ def encode_sparse(
     value_codec: "str | dict | ValueCodec" = "fp32",
     index_codec: "str | dict | IndexCodec" = "eliasfano",
     check: bool = True,
+    dense: "torch.Tensor | None" = None,
     **options: Any,
 ) -> EncodedPayload:
-    """Like :func:`encode`, but also return what the receiver will reconstruct (for error feedback)."""
+    """Like :func:`encode`, but also return what the receiver will reconstruct (for error feedback).
+
+    ``dense``: the tensor the sparse one was taken from; see :func:`encode_tensors`.
+    """
     values_codec_obj, index_codec_obj = resolve_codecs(value_codec, index_codec, options)
-    return encode_tensors([(values, indices, numel)], index_codec_obj, values_codec_obj, check=check)
+    return encode_tensors(
+        [(values, indices, numel)], index_codec_obj, values_codec_obj, check=check, dense=[dense]
+    )
 
 
 def decode(payload: "bytes | bytearray | memoryview") -> tuple[torch.Tensor, torch.Tensor, int]:

