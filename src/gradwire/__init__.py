@@ -1,4 +1,9 @@
-"""gradwire: send far fewer gradient bytes in PyTorch data-parallel training."""
+"""gradwire: send far fewer gradient bytes in PyTorch data-parallel training.
+
+One line in a DDP script::
+
+    ddp_model.register_comm_hook(gradwire.CommHookState(compressor="topk", density=0.01), gradwire.comm_hook)
+"""
 
 from __future__ import annotations
 
@@ -8,4 +13,31 @@ from .sparse import SparseTensor
 
 __version__ = "0.1.0"
 
-__all__ = ["DecodeError", "SparseTensor", "codecs", "__version__"]
+
+def __getattr__(name: str):  # the hook layer pulls in sparsify/exchange; load it on first use
+    if name in ("CommHookState", "comm_hook", "NonFiniteGradientError"):
+        from . import hook
+
+        return getattr(hook, name)
+    if name == "GradientExchange":
+        from .plain import GradientExchange
+
+        return GradientExchange
+    if name == "lowrank":
+        import importlib
+
+        return importlib.import_module(".lowrank", __name__)
+    raise AttributeError(f"module 'gradwire' has no attribute {name!r}")
+
+
+__all__ = [
+    "CommHookState",
+    "DecodeError",
+    "GradientExchange",
+    "NonFiniteGradientError",
+    "SparseTensor",
+    "codecs",
+    "comm_hook",
+    "lowrank",
+    "__version__",
+]

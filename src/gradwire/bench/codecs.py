@@ -1,0 +1,230 @@
+"""``gradwire bench codecs``: bits per index and per value, and speed, of every codec.
+
+Two sources of sparse gradients:
+
+* ``synthetic``: n = 2**24 (``--numel``) positions, k = density * n chosen uniformly at random,
+  values ~ N(0, 1e-3**2);
+* ``mnist``: the gradient of the project's small CNN after a few SGD steps on MNIST-5k, top-k by
+  magnitude at each density (the real distribution of positions and values).
+
+For each index codec: bits per index, the information bound log2(C(n, k)) / k, the ratio to
+it, bytes vs the COO int32 baseline, encode and decode throughput in GB/s of the dense float32
+gradient the sparse one stands for (4 n bytes / seconds, best of ``--repeats``). For each value
+codec: bits per value, bytes vs float32, relative L2 error, the same throughputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .. import codecs
+from ..codecs.base import index_codec_classes, value_codec_classes
+from .table import format_table, progress
+
+DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
+    parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
+    parser.add_argument("--sources", default="synthetic,mnist", help="comma-separated: synthetic, mnist")
+    parser.add_argument("--index-codecs", default="all", help="comma-separated names or 'all'")
+    parser.add_argument("--value-codecs", default="all", help="comma-separated names or 'all'")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the best is kept")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
+
+
+def information_bound_bits(numel: int, k: int) -> float:
+    """log2(C(numel, k)): the fewest bits that can name a k-subset of numel positions."""
+    if k <= 0 or k >= numel:
+        return 0.0
+    return (math.lgamma(numel + 1) - math.lgamma(k + 1) - math.lgamma(numel - k + 1)) / math.log(2)
+
+
+def _best_time(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    best, result = math.inf, None
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        result = run()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def synthetic_gradient(numel: int, density: float, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    generator = np.random.default_rng(seed)
+    k = max(1, int(round(density * numel)))
+    indices = np.sort(generator.choice(numel, size=k, replace=False)).astype(np.int64)
+    values = torch.from_numpy(generator.standard_normal(k).astype(np.float32) * 1e-3)
+    return indices, values
+
+
+def mnist_gradient(steps: int = 3, seed: int = 0) -> torch.Tensor:
+    """The flattened gradient of the small CNN after ``steps`` SGD steps on MNIST-5k."""
+    from ..data import load
+    from ..models import build_model
+
+    torch.manual_seed(seed)
+    train, _ = load("mnist5k")
+    model = build_model("cnn", num_classes=10, in_channels=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    for step, (images, labels) in enumerate(loader):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        if step + 1 == steps:
+            break
+        optimizer.step()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def top_k_of(gradient: torch.Tensor, density: float) -> tuple[np.ndarray, torch.Tensor]:
+    k = max(1, int(round(density * gradient.numel())))
+    indices = torch.sort(torch.topk(gradient.abs(), k, sorted=False).indices).values
+    return indices.numpy(), gradient[indices].contiguous()
+
+
+def measure_index_codec(name: str, indices: np.ndarray, numel: int, repeats: int) -> dict[str, Any]:
+    codec = codecs.get_index_codec(name)
+    k = int(indices.size)
+    encode_seconds, encoding = _best_time(lambda: codec.encode(indices, numel), repeats)
+    data = memoryview(encoding.data)
+    count = int(encoding.positions.size)
+    decode_seconds, decoded = _best_time(lambda: codec.decode(data, numel, count), repeats)
+    if not np.array_equal(decoded, encoding.positions):
+        raise AssertionError(f"{name} did not round-trip")
+    bound = information_bound_bits(numel, k)
+    bits = 8.0 * len(encoding.data)
+    dense_bytes = 4.0 * numel
+    row = {
+        "codec": name,
+        "bits_per_index": bits / k,
+        "bound_bits_per_index": bound / k if k else 0.0,
+        "ratio_to_bound": bits / bound if bound else math.inf,
+        "bytes_vs_coo": len(encoding.data) / (4.0 * k),
+        "encode_gbps": dense_bytes / encode_seconds / 1e9,
+        "decode_gbps": dense_bytes / decode_seconds / 1e9,
+        "encode_ms": encode_seconds * 1e3,
+        "decode_ms": decode_seconds * 1e3,
+        "lossless": codec.lossless,
+    }
+    if not codec.lossless:
+        row["positions_sent"] = count
+        row["false_positives_sent"] = float(encoding.stats.get("false_positives_sent", 0))
+    return row
+
+
+def measure_value_codec(name: str, values: torch.Tensor, numel: int, repeats: int) -> dict[str, Any]:
+    codec = codecs.get_value_codec(name)
+    k = values.numel()
+    encode_seconds, data = _best_time(lambda: codec.encode(values), repeats)
+    view = memoryview(data)
+    decode_seconds, decoded = _best_time(lambda: codec.decode(view, k, values.dtype), repeats)
+    error = float(torch.linalg.vector_norm((decoded.double() - values.double())) /
+                  torch.linalg.vector_norm(values.double()).clamp_min(1e-300))
+    dense_bytes = 4.0 * numel
+    return {
+        "codec": name,
+        "bits_per_value": 8.0 * len(data) / k,
+        "bytes_vs_fp32": len(data) / (4.0 * k),
+        "relative_l2_error": error,
+        "encode_gbps": dense_bytes / encode_seconds / 1e9,
+        "decode_gbps": dense_bytes / decode_seconds / 1e9,
+        "encode_ms": encode_seconds * 1e3,
+        "decode_ms": decode_seconds * 1e3,
+        "lossless": codec.lossless,
+    }
+
+
+def _names(option: str, available: list[str], what: str) -> list[str]:
+    if option == "all":
+        return available
+    names = [n.strip() for n in option.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ValueError(f"--{what}: unknown {', '.join(unknown)}; allowed: {', '.join(available)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    densities = [float(d) for d in args.densities.split(",")]
+    if any(not 0 < d <= 1 for d in densities):
+        raise ValueError(f"--densities={args.densities!r}: each must be in (0, 1]")
+    sources = [s.strip() for s in args.sources.split(",")]
+    bad = [s for s in sources if s not in ("synthetic", "mnist")]
+    if bad:
+        raise ValueError(f"--sources: unknown {', '.join(bad)}; allowed: synthetic, mnist")
+    index_names = _names(args.index_codecs, sorted(index_codec_classes()), "index-codecs")
+    value_names = _names(args.value_codecs, sorted(value_codec_classes()), "value-codecs")
+    gradient = mnist_gradient() if "mnist" in sources else None
+
+    cases = []
+    for source in sources:
+        for density in densities:
+            cases.append((source, density))
+    rows: list[dict[str, Any]] = []
+    total = len(cases) * (len(index_names) + len(value_names))
+    with progress(total, "bench codecs") as bar:
+        for source, density in cases:
+            if source == "synthetic":
+                numel = args.numel
+                indices, values = synthetic_gradient(numel, density)
+            else:
+                assert gradient is not None
+                numel = gradient.numel()
+                indices, values = top_k_of(gradient, density)
+            common = {"source": source, "numel": numel, "density": density, "k": int(indices.size)}
+            for name in index_names:
+                bar.set_postfix_str(f"{source} {density} index {name}")
+                rows.append({"kind": "index", **common, **measure_index_codec(name, indices, numel, args.repeats)})
+                bar.update()
+            for name in value_names:
+                bar.set_postfix_str(f"{source} {density} values {name}")
+                rows.append({"kind": "value", **common, **measure_value_codec(name, values, numel, args.repeats)})
+                bar.update()
+
+    print_tables(rows)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows}, handle, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+    for (source, density), group in _grouped(rows).items():
+        first = group[0]
+        print(f"\n{source}: numel={first['numel']:,} density={density:g} k={first['k']:,}", file=out)
+        index_rows = [r for r in group if r["kind"] == "index"]
+        value_rows = [r for r in group if r["kind"] == "value"]
+        if index_rows:
+            print(format_table(
+                ["index codec", "bits/index", "bound", "x bound", "vs COO", "enc GB/s", "dec GB/s", "note"],
+                [[r["codec"], f"{r['bits_per_index']:.2f}", f"{r['bound_bits_per_index']:.2f}",
+                  f"{r['ratio_to_bound']:.3f}", f"{r['bytes_vs_coo']:.3f}", f"{r['encode_gbps']:.2f}",
+                  f"{r['decode_gbps']:.2f}",
+                  "" if r["lossless"] else f"lossy: {int(r.get('false_positives_sent', 0)):,} FP sent"]
+                 for r in index_rows]), file=out)
+        if value_rows:
+            print(format_table(
+                ["value codec", "bits/value", "vs fp32", "rel L2 err", "enc GB/s", "dec GB/s"],
+                [[r["codec"], f"{r['bits_per_value']:.2f}", f"{r['bytes_vs_fp32']:.3f}",
+                  f"{r['relative_l2_error']:.2e}", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}"]
+                 for r in value_rows]), file=out)
+
+
+def _grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["source"], row["density"]), []).append(row)
+    return groups

@@ -1,0 +1,24 @@
+"""Collectives over torch.distributed and the cost model that chooses between them.
+
+Knows nothing of sparsifiers or codecs: it moves tensors and byte strings between ranks.
+"""
+
+from .collectives import (
+    ByteGather,
+    allgather_bytes,
+    allreduce_sum,
+    check_same_on_all_ranks,
+    communication_device,
+)
+from .cost import COLLECTIVES, CostModel, ring_allreduce_bytes
+
+__all__ = [
+    "COLLECTIVES",
+    "ByteGather",
+    "CostModel",
+    "allgather_bytes",
+    "allreduce_sum",
+    "check_same_on_all_ranks",
+    "communication_device",
+    "ring_allreduce_bytes",
+]

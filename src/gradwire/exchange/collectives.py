@@ -1,0 +1,114 @@
+"""The collectives gradwire uses, over any torch.distributed backend (gloo on CPU, NCCL on GPU).
+
+Byte strings travel as uint8 tensors: first an AllGather of their lengths (int64), then one
+AllGather of payloads padded to the longest. Nothing is pickled; receivers parse the bytes
+with the codecs' checked decoder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def communication_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where collective buffers must live: the current CUDA device for NCCL, else the CPU."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def world_size_of(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def allreduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.futures.Future:
+    """Start an in-place SUM AllReduce; the Future's value is ``tensor`` (summed)."""
+    if world_size_of(group) == 1:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(tensor)
+        return future
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda _: tensor)
+
+
+class ByteGather:
+    """AllGather of one byte string per rank.
+
+    ``lengths()`` exchanges the payload sizes (blocking: a few bytes); the caller may decide on
+    that basis (every rank sees the same lengths, so every rank decides the same); ``start()``
+    launches the padded AllGather and returns a Future of the list of per-rank ``memoryview``s.
+    """
+
+    def __init__(self, payload: bytes, group: Optional[dist.ProcessGroup] = None, *, valid: bool = True) -> None:
+        self.payload = payload if valid else b""
+        self.valid = valid
+        self.group = group
+        self.world_size = world_size_of(group)
+        self.device = communication_device(group) if self.world_size > 1 else torch.device("cpu")
+        self._lengths: Optional[list[int]] = None
+
+    def lengths(self) -> list[int]:
+        """Payload sizes by rank; -1 marks a rank that flagged its payload invalid (``valid=False``)."""
+        if self._lengths is None:
+            own = len(self.payload) if self.valid else -1
+            if self.world_size == 1:
+                self._lengths = [own]
+            else:
+                mine = torch.tensor([own], dtype=torch.int64, device=self.device)
+                gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+                dist.all_gather(gathered, mine, group=self.group)
+                self._lengths = [int(t.item()) for t in gathered]
+        return self._lengths
+
+    def start(self) -> torch.futures.Future:
+        lengths = [max(n, 0) for n in self.lengths()]
+        if self.world_size == 1:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result([memoryview(self.payload)])
+            return future
+        longest = max(lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if self.payload:
+            padded[: len(self.payload)] = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)
+        padded = padded.to(self.device)
+        gathered = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+        work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
+
+        def unpad(_: Any) -> list[memoryview]:
+            return [memoryview(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths)]
+
+        return work.get_future().then(unpad)
+
+
+def allgather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -> list[memoryview]:
+    """Blocking AllGather of one byte string per rank; returns them in rank order."""
+    return ByteGather(payload, group).start().wait()
+
+
+def check_same_on_all_ranks(description: str, group: Optional[dist.ProcessGroup] = None,
+                            on_mismatch: Callable[[list[int]], str] | None = None) -> None:
+    """Raise ValueError on every rank unless ``description`` is identical on all ranks.
+
+    Compares a 63-bit hash, so ranks configured differently fail with a clear message at first
+    use instead of deadlocking in mismatched collectives later.
+    """
+    if world_size_of(group) == 1:
+        return
+    digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:8], "little") >> 1
+    device = communication_device(group)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size_of(group))]
+    dist.all_gather(gathered, mine, group=group)
+    hashes = [int(t.item()) for t in gathered]
+    if len(set(hashes)) > 1:
+        differing = [rank for rank, h in enumerate(hashes) if h != hashes[0]]
+        detail = on_mismatch(hashes) if on_mismatch else ""
+        raise ValueError(
+            f"gradwire configuration differs between ranks (ranks {differing} differ from rank 0); "
+            f"every rank must use the same options. This rank: {description}. {detail}".strip()
+        )

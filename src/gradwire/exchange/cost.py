@@ -1,0 +1,45 @@
+"""Bytes each worker sends per collective, and the choice of collective per bucket.
+
+Ring AllReduce of ``n`` elements of ``s`` bytes: ``2 (p-1)/p * n s`` bytes per worker.
+AllGather of payloads padded to the largest, ``B_max``: ``(p-1) * B_max`` per worker (ring), plus
+a tiny AllGather of the lengths. A fixed per-collective latency term (``latency_bytes``, the
+bytes one could have sent in the time of one extra collective round) keeps ``auto`` from trading
+one collective for two when the byte saving is marginal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COLLECTIVES = ("auto", "allreduce", "allgather", "dense")
+
+
+def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> float:
+    """Bytes one worker sends in a ring AllReduce of ``numel`` elements."""
+    if world_size <= 1:
+        return 0.0
+    return 2.0 * (world_size - 1) / world_size * numel * element_size
+
+
+def allgather_bytes_sent(max_payload_bytes: int, world_size: int) -> float:
+    """Bytes one worker sends in a ring AllGather of payloads padded to ``max_payload_bytes``."""
+    return float((world_size - 1) * max_payload_bytes) if world_size > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicts per-worker bytes; ``latency_bytes`` charges each extra collective round."""
+
+    world_size: int
+    latency_bytes: float = 4096.0
+
+    def dense(self, numel: int, element_size: int) -> float:
+        return ring_allreduce_bytes(numel, element_size, self.world_size)
+
+    def allgather(self, max_payload_bytes: int) -> float:
+        # two collectives (lengths, then payloads): one extra round over a dense AllReduce
+        return allgather_bytes_sent(max_payload_bytes, self.world_size) + self.latency_bytes
+
+    def prefer_allgather(self, max_payload_bytes: int, numel: int, element_size: int) -> bool:
+        """True only when the sparse AllGather is predicted cheaper than the dense AllReduce."""
+        return self.allgather(max_payload_bytes) < self.dense(numel, element_size)

@@ -1,0 +1,498 @@
+"""The DDP communication hook: sparsify, encode and exchange each bucket, with error feedback.
+
+In the manner of ``torch.distributed.algorithms.ddp_comm_hooks``: a plain state object and a
+function ``comm_hook(state, bucket) -> Future[Tensor]``.
+
+>>> import torch, torch.distributed as dist, gradwire
+>>> from torch.nn.parallel import DistributedDataParallel as DDP
+>>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+>>> model = DDP(torch.nn.Linear(64, 10))
+>>> state = gradwire.CommHookState(compressor="topk", density=0.1, index_codec="rice", model=model)
+>>> model.register_comm_hook(state, gradwire.comm_hook)          # the one added line
+>>> model(torch.randn(8, 64)).sum().backward()
+>>> state.stats()["step"]
+1
+>>> dist.destroy_process_group()
+
+The path of one bucket (layer scope, per-rank supports):
+
+1. ``compensated = grad + residual`` for each parameter in the bucket (error feedback);
+2. the sparsifier selects positions of ``compensated`` (per parameter, or once over all
+   buckets of the iteration for ``scope="global"``);
+3. all parameters' (values, indices) are encoded into one payload (value and index codecs);
+4. ranks exchange payload lengths; with ``collective="auto"`` the cost model compares the padded
+   AllGather against a dense AllReduce on exactly those lengths (every rank decides the same);
+5. the AllGather runs asynchronously; its callback decodes every rank's payload, sums in rank
+   order (so all ranks get bit-identical results), divides by the world size, and stores
+   ``residual = compensated - what was received``.
+
+Shared-support sparsifiers (``randomk``, ``randomblock``) pick the same positions on every rank,
+so step 3-5 become one AllReduce of the selected values (no indices on the wire).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import codecs as codec_layer
+from .errors import DecodeError, check_choice
+from .exchange import COLLECTIVES, ByteGather, CostModel, allreduce_sum, check_same_on_all_ranks
+from .exchange.collectives import world_size_of
+from .exchange.cost import ring_allreduce_bytes
+from .feedback import ErrorFeedback, MomentumCorrection
+from .sparsify import get_sparsifier, select_global, sparsifiers
+from .stats import ExchangeStats
+
+logger = logging.getLogger("gradwire")
+
+SCOPES = ("layer", "global")
+NONFINITE_POLICIES = ("raise", "skip")
+#: Value codecs an AllReduce of values can apply (a cast); others need the AllGather path.
+CAST_VALUE_CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf on some rank (raised on every rank, together)."""
+
+
+@dataclass
+class _Entry:
+    """One parameter's gradient inside a group of buckets."""
+
+    key: Hashable
+    tensor_id: int
+    grad: torch.Tensor  # view into its bucket's buffer
+    offset: int  # into the concatenation of the group's buffers
+    compensated: Optional[torch.Tensor] = None
+    indices: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _Group:
+    """Buckets exchanged together: one bucket (layer scope) or all of an iteration (global)."""
+
+    buffers: list[torch.Tensor]
+    entries: list[_Entry] = field(default_factory=list)
+    futures: list[torch.futures.Future] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+
+class CommHookState:
+    """Options and memory of the gradwire hook; one per DDP model.
+
+    Args:
+        process_group: the group to communicate over (default: the world).
+        compressor: one of :func:`gradwire.sparsify.sparsifiers` or ``"none"`` (dense AllReduce).
+        density / k / threshold: how much to keep: a fraction in (0, 1], a count per tensor
+            (layer scope) or per model (global), or a magnitude for ``threshold``.
+        value_codec, index_codec: codec names, configs or instances (see ``gradwire.codecs``).
+        codec_options: options routed to the codecs by name (e.g. ``{"bits": 4}`` for qsgd).
+        error_feedback: keep what is not sent and add it to the next step.
+        momentum_correction: DGC's momentum correction with this momentum (e.g. 0.9): momentum
+            is accumulated before sparsification; use the optimizer without momentum then.
+        scope: ``"layer"`` (each parameter keeps its density) or ``"global"`` (one selection over
+            the whole model, made when the iteration's last bucket arrives: no overlap with
+            backward, one exchange per step).
+        collective: ``"auto"`` (cost model), ``"allreduce"`` (shared supports only),
+            ``"allgather"`` or ``"dense"``.
+        seed: shared seed of random supports; every rank must use the same.
+        warmup_steps: dense AllReduce for the first N steps.
+        nonfinite: ``"raise"`` (every rank raises :class:`NonFiniteGradientError`) or
+            ``"skip"`` (every rank gets a zero gradient for that bucket; residuals untouched).
+        model: the model (DDP-wrapped or not); needed for :meth:`state_dict` names and stable
+            per-parameter random streams.
+        log_every: log :meth:`stats` every N steps at INFO level (0: never).
+    """
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        compressor: str = "topk",
+        density: Optional[float] = None,
+        k: Optional[int] = None,
+        threshold: Optional[float] = None,
+        value_codec: Any = "fp32",
+        index_codec: Any = "eliasfano",
+        codec_options: Optional[dict[str, Any]] = None,
+        error_feedback: bool = True,
+        momentum_correction: Optional[float] = None,
+        scope: str = "layer",
+        collective: str = "auto",
+        seed: int = 0,
+        warmup_steps: int = 0,
+        nonfinite: str = "raise",
+        model: Optional[torch.nn.Module] = None,
+        log_every: int = 0,
+    ) -> None:
+        check_choice("compressor", compressor, ("none", *sparsifiers()))
+        check_choice("scope", scope, SCOPES)
+        check_choice("collective", collective, COLLECTIVES)
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+        if log_every < 0:
+            raise ValueError(f"log_every={log_every} must be >= 0")
+        self.process_group = process_group
+        self.compressor = compressor
+        if compressor == "none":
+            self.sparsifier = None
+        else:
+            if density is None and k is None and threshold is None:
+                density = 0.01
+            self.sparsifier = get_sparsifier(compressor, density=density, k=k, threshold=threshold, seed=seed)
+        self.density, self.k, self.threshold = density, k, threshold
+        self.value_codec, self.index_codec = codec_layer.resolve_codecs(value_codec, index_codec, dict(codec_options or {}))
+        shared = bool(self.sparsifier is not None and self.sparsifier.shared_support)
+        if collective == "allreduce" and not shared:
+            raise ValueError(
+                f"collective='allreduce' needs a shared support (randomk, randomblock); compressor={compressor!r} "
+                "picks different positions per rank: use 'allgather' or 'auto'"
+            )
+        if collective == "allreduce" and self.value_codec.name not in CAST_VALUE_CODECS:
+            raise ValueError(
+                f"collective='allreduce' sums values on the wire, so value_codec must be one of "
+                f"{', '.join(CAST_VALUE_CODECS)}; got {self.value_codec.name!r}"
+            )
+        self.shared_support = shared
+        self.scope = scope
+        self.collective = collective
+        self.seed = seed
+        self.warmup_steps = warmup_steps
+        self.nonfinite = nonfinite
+        self.error_feedback = error_feedback
+        self.momentum_correction = momentum_correction
+        self.feedback: Optional[ErrorFeedback]
+        if momentum_correction is not None:
+            self.feedback = MomentumCorrection(momentum_correction)
+        else:
+            self.feedback = ErrorFeedback() if error_feedback else None
+        self.log_every = log_every
+        self.iteration = 0
+        self._stats = ExchangeStats()
+        self._checked = False
+        self._pending: Optional[_Group] = None
+        self._names: dict[Hashable, str] = {}
+        self._param_index: dict[Hashable, int] = {}
+        if model is not None:
+            self.attach(model)
+
+    # ----------------------------------------------------------------------------- public
+    def attach(self, model: torch.nn.Module) -> None:
+        """Learn parameter names (for checkpoints) and stable per-parameter ids."""
+        for index, (name, parameter) in enumerate(model.named_parameters()):
+            self._names[id(parameter)] = name
+            self._param_index[id(parameter)] = index
+
+    def stats(self) -> dict[str, float]:
+        """Last step's and cumulative bytes and seconds; see :class:`gradwire.stats.ExchangeStats`."""
+        snapshot = self._stats.snapshot()
+        snapshot["residual_norm"] = self.feedback.norm() if self.feedback is not None else 0.0
+        return snapshot
+
+    def describe(self) -> str:
+        """A canonical string of every option that must match across ranks."""
+        return (
+            f"compressor={self.compressor} density={self.density} k={self.k} threshold={self.threshold} "
+            f"value_codec={self.value_codec.get_config()} index_codec={self.index_codec.get_config()} "
+            f"error_feedback={self.error_feedback} momentum_correction={self.momentum_correction} "
+            f"scope={self.scope} collective={self.collective} seed={self.seed} "
+            f"warmup_steps={self.warmup_steps} nonfinite={self.nonfinite}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals (and DGC velocities) by parameter name, and the iteration counter."""
+        if self.feedback is not None and self.feedback.residuals and not self._names:
+            raise ValueError("state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
+        out: dict[str, Any] = {"iteration": self.iteration, "config": self.describe()}
+        if self.feedback is not None:
+            out["residuals"] = self.feedback.state_dict(self._names)
+            if isinstance(self.feedback, MomentumCorrection):
+                out["velocities"] = {self._names[k]: v.detach().cpu().clone() for k, v in self.feedback.velocities.items()}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], device: "torch.device | str" = "cpu") -> None:
+        """Restore :meth:`state_dict` output (tensors moved to ``device``, the gradients' device)."""
+        if state.get("config") not in (None, self.describe()):
+            raise ValueError(f"checkpoint was made with other options: {state['config']!r}")
+        if not self._names:
+            raise ValueError("load_state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
+        keys = {name: key for key, name in self._names.items()}
+        unknown = sorted(set(state.get("residuals", {})) - set(keys))
+        if unknown:
+            raise ValueError(f"checkpoint names parameters this model lacks: {', '.join(unknown[:5])}")
+        self.iteration = int(state["iteration"])
+        if self.feedback is not None:
+            self.feedback.residuals = {keys[n]: t.to(device).clone() for n, t in state.get("residuals", {}).items()}
+            if isinstance(self.feedback, MomentumCorrection):
+                self.feedback.velocities = {keys[n]: t.to(device).clone() for n, t in state.get("velocities", {}).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # process groups cannot be pickled (as PyTorch's PowerSGDState does, drop it)
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["_pending"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # ------------------------------------------------------------------------- the exchange
+    def run_bucket(self, index: int, buffer: torch.Tensor, parameters: Sequence[torch.Tensor],
+                   gradients: Sequence[torch.Tensor], is_last: bool) -> torch.futures.Future:
+        """Process one bucket; returns a Future of ``buffer`` holding the averaged gradient."""
+        if not self._checked:
+            check_same_on_all_ranks(self.describe(), self.process_group)
+            self._checked = True
+        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        future: torch.futures.Future = torch.futures.Future(devices=devices)
+        group = self._pending if self._pending is not None else _Group(buffers=[])
+        offset = group.numel
+        for position, (parameter, grad) in enumerate(zip(parameters, gradients)):
+            key = id(parameter)
+            tensor_id = self._param_index.get(key, index * 100_003 + position)
+            group.entries.append(_Entry(key, tensor_id, grad, offset + _offset_in(buffer, grad)))
+        group.buffers.append(buffer)
+        group.futures.append(future)
+        if self.scope == "global" and not is_last and self.iteration >= self.warmup_steps:
+            self._pending = group  # resolved when the iteration's last bucket arrives
+            return future
+        self._pending = None
+        try:
+            self._exchange(group)
+        except BaseException as error:
+            for pending in group.futures:
+                if not pending.done():
+                    pending.set_exception(error)
+        if is_last:
+            self._end_step()
+        return future
+
+    def _end_step(self) -> None:
+        self.iteration += 1
+        self._stats.end_step()
+        if self.log_every and self.iteration % self.log_every == 0:
+            logger.info("gradwire step %d: %s", self.iteration, self.stats())
+
+    def _exchange(self, group: _Group) -> None:
+        flat = group.buffers[0] if len(group.buffers) == 1 else torch.cat([b.reshape(-1) for b in group.buffers])
+        world = world_size_of(self.process_group)
+        element_size = group.buffers[0].element_size()
+        self._stats.add("bytes_dense", ring_allreduce_bytes(group.numel, element_size, world))
+        finite = bool(torch.isfinite(flat).all())
+        if self.sparsifier is None or self.iteration < self.warmup_steps or self.collective == "dense":
+            self._dense(group, flat, world, element_size, use_compensated=False)
+            return
+        if finite or self.shared_support:
+            self._select(group, finite)
+        if self.shared_support and (self.collective == "allreduce" or (
+                self.collective == "auto" and self.value_codec.name in CAST_VALUE_CODECS)):
+            self._allreduce_values(group, world, finite)
+        else:
+            self._allgather(group, world, element_size, finite)
+
+    def _select(self, group: _Group, finite: bool) -> None:
+        """Compensate and select. A rank whose gradient is not finite selects on zeros instead
+        (so shared supports still agree in size) and leaves its memory untouched."""
+        with self._stats.timer("sparsify"):
+            for entry in group.entries:
+                if not finite:
+                    entry.compensated = torch.zeros(entry.grad.numel(), dtype=torch.float32, device=entry.grad.device)
+                elif self.feedback is not None:
+                    entry.compensated = self.feedback.compensate(entry.key, entry.grad)
+                else:
+                    dtype = torch.float64 if entry.grad.dtype == torch.float64 else torch.float32
+                    entry.compensated = entry.grad.reshape(-1).to(dtype, copy=True)
+            assert self.sparsifier is not None
+            if self.scope == "global":
+                selected = select_global(self.sparsifier, [e.compensated for e in group.entries], step=self.iteration)
+            else:
+                selected = [self.sparsifier.select(e.compensated, step=self.iteration, tensor_id=e.tensor_id)
+                            for e in group.entries]
+            for entry, indices in zip(group.entries, selected):
+                entry.indices = indices
+
+    # --- dense AllReduce (warm-up, "none", fallback of auto) ---------------------------------
+    def _dense(self, group: _Group, flat: torch.Tensor, world: int, element_size: int, use_compensated: bool) -> None:
+        if use_compensated:  # fallback after selection: send everything, nothing stays behind
+            flat = torch.zeros(group.numel, dtype=group.entries[0].compensated.dtype, device=flat.device)
+            for entry in group.entries:
+                flat[entry.offset: entry.offset + entry.grad.numel()] = entry.compensated
+                if self.feedback is not None:
+                    self.feedback.clear(entry.key)
+        self._stats.add("bytes_sent", ring_allreduce_bytes(group.numel, element_size, world))
+        self._stats.add("count_dense_buckets", 1)
+        start = _now()
+        reduced = allreduce_sum(flat, self.process_group)
+
+        def finish(future: torch.futures.Future) -> None:
+            summed = future.value()
+            self._stats.add("seconds_communicate", _now() - start)
+            if not bool(torch.isfinite(summed).all()):
+                self._resolve_nonfinite(group)
+                return
+            summed.div_(world)
+            self._write(group, summed)
+
+        reduced.add_done_callback(lambda f: _guard(group, finish, f))
+
+    # --- AllReduce of values on a shared support ---------------------------------------------
+    def _allreduce_values(self, group: _Group, world: int, finite: bool) -> None:
+        wire_dtype = CAST_VALUE_CODECS.get(self.value_codec.name, torch.float32)
+        device = group.buffers[0].device
+        with self._stats.timer("encode"):
+            sent = torch.cat([e.compensated[e.indices] for e in group.entries]).to(wire_dtype)
+            # one extra element says "some rank saw NaN/Inf", so that all ranks act together
+            flag = torch.tensor([0.0 if finite else 1.0], dtype=wire_dtype, device=sent.device)
+            message = torch.cat([sent, flag]).to(device)
+        self._stats.add("bytes_sent", ring_allreduce_bytes(message.numel(), message.element_size(), world))
+        start = _now()
+        reduced = allreduce_sum(message, self.process_group)
+
+        def finish(future: torch.futures.Future) -> None:
+            summed = future.value()
+            self._stats.add("seconds_communicate", _now() - start)
+            if float(summed[-1]) != 0 or not finite:
+                self._resolve_nonfinite(group)
+                return
+            with self._stats.timer("decode"):
+                averaged = summed[:-1].to(group.entries[0].compensated.dtype) / world
+                out = torch.zeros(group.numel, dtype=averaged.dtype, device=averaged.device)
+                position = 0
+                for entry in group.entries:
+                    k = entry.indices.numel()
+                    out[entry.offset + entry.indices] = averaged[position: position + k]
+                    if self.feedback is not None:
+                        self.feedback.update(entry.key, entry.compensated, entry.indices,
+                                             sent[position: position + k].to(device))
+                    position += k
+                self._write(group, out)
+
+        reduced.add_done_callback(lambda f: _guard(group, finish, f))
+
+    # --- AllGather of encoded payloads --------------------------------------------------------
+    def _allgather(self, group: _Group, world: int, element_size: int, finite: bool) -> None:
+        encoded = None
+        if finite:
+            with self._stats.timer("encode"):
+                encoded = codec_layer.encode_tensors(
+                    [(e.compensated[e.indices], e.indices, e.compensated.numel()) for e in group.entries],
+                    self.index_codec, self.value_codec, check=False,
+                    dense=[e.compensated for e in group.entries],
+                )
+        gather = ByteGather(encoded.payload if encoded else b"", self.process_group, valid=finite)
+        start = _now()
+        lengths = gather.lengths()
+        if min(lengths) < 0:
+            self._stats.add("seconds_communicate", _now() - start)
+            self._resolve_nonfinite(group)
+            return
+        cost = CostModel(world)
+        if self.collective == "auto" and world > 1 and not cost.prefer_allgather(max(lengths), group.numel, element_size):
+            self._stats.add("bytes_sent", 8.0 * (world - 1))
+            self._dense(group, group.buffers[0], world, element_size, use_compensated=True)
+            return
+        self._stats.add("bytes_sent", 8.0 * (world - 1) + (world - 1) * max(lengths))
+        self._stats.add("count_allgather_buckets", 1)
+        rank = dist.get_rank(self.process_group) if world > 1 else 0
+
+        def finish(future: torch.futures.Future) -> None:
+            payloads = future.value()
+            self._stats.add("seconds_communicate", _now() - start)
+            with self._stats.timer("decode"):
+                dtype = group.entries[0].compensated.dtype if group.entries else torch.float32
+                device = group.buffers[0].device
+                out = torch.zeros(group.numel, dtype=dtype, device=device)
+                offsets = torch.tensor([e.offset for e in group.entries], dtype=torch.int64)
+                for source, data in enumerate(payloads):
+                    if source == rank:  # our own reconstruction is bit-identical to decoding it
+                        tensors = [(t.values, t.indices, t.numel) for t in encoded.tensors]
+                    else:
+                        tensors = self._decode_from(source, data, group)
+                    lengths_k = torch.tensor([t[1].numel() for t in tensors], dtype=torch.int64)
+                    positions = torch.cat([t[1] for t in tensors]) + torch.repeat_interleave(offsets, lengths_k)
+                    values = torch.cat([t[0] for t in tensors]).to(dtype)
+                    out.index_add_(0, positions.to(device), values.to(device))
+                out.div_(world)
+                if self.feedback is not None:
+                    for entry, sent in zip(group.entries, encoded.tensors):
+                        self.feedback.update(entry.key, entry.compensated, sent.indices.to(device),
+                                             sent.values.to(device))
+                self._write(group, out)
+
+        gather.start().add_done_callback(lambda f: _guard(group, finish, f))
+
+    def _decode_from(self, source: int, data: memoryview, group: _Group) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        try:
+            tensors = codec_layer.decode_tensors(data)
+        except DecodeError as error:
+            raise DecodeError(f"payload from rank {source}: {error}") from error
+        expected = [e.grad.numel() for e in group.entries]
+        if [t[2] for t in tensors] != expected:
+            raise DecodeError(f"payload from rank {source} describes tensors of sizes "
+                              f"{[t[2] for t in tensors][:8]}..., expected {expected[:8]}...")
+        return tensors
+
+    # --- results -------------------------------------------------------------------------------
+    def _write(self, group: _Group, averaged: torch.Tensor) -> None:
+        """Copy the averaged flat gradient into the buckets' buffers and resolve their futures."""
+        position = 0
+        for buffer, future in zip(group.buffers, group.futures):
+            size = buffer.numel()
+            if averaged.data_ptr() != buffer.data_ptr():
+                buffer.copy_(averaged[position: position + size].reshape(buffer.shape))
+            position += size
+            future.set_result(buffer)
+
+    def _resolve_nonfinite(self, group: _Group) -> None:
+        self._stats.skipped_steps += 1
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"NaN or Inf in gradients at step {self.iteration} on at least one rank "
+                "(nonfinite='raise'; use nonfinite='skip' to drop such buckets)"
+            )
+        for buffer, future in zip(group.buffers, group.futures):
+            buffer.zero_()
+            future.set_result(buffer)
+
+
+def _guard(group: _Group, finish: Any, future: torch.futures.Future) -> None:
+    """Run a completion callback; any error it raises fails every future of the group."""
+    try:
+        future.value()  # re-raises a communication error
+        finish(future)
+    except BaseException as error:  # surfaces in backward() on every rank
+        for pending in group.futures:
+            if not pending.done():
+                pending.set_exception(error)
+
+
+def _offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
+    """Element offset of ``view`` inside ``buffer`` (DDP's gradients are views of its bucket)."""
+    offset, remainder = divmod(view.data_ptr() - buffer.data_ptr(), buffer.element_size())
+    if remainder or not 0 <= offset <= buffer.numel() - view.numel():
+        raise RuntimeError("gradient is not a view of its bucket buffer")
+    return offset
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: ``ddp_model.register_comm_hook(state, gradwire.comm_hook)``.
+
+    Returns a Future of the bucket's buffer holding the gradient averaged over ranks.
+    """
+    return state.run_bucket(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.gradients(), bucket.is_last())

@@ -1,0 +1,68 @@
+"""Error-feedback memory and the cost model, without process groups (world of one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradwire.exchange import CostModel, allgather_bytes, allreduce_sum, ring_allreduce_bytes
+from gradwire.feedback import ErrorFeedback, MomentumCorrection
+
+
+def test_error_feedback_invariant_is_exact() -> None:
+    feedback = ErrorFeedback()
+    generator = torch.Generator().manual_seed(0)
+    old_residual = torch.zeros(100)
+    for step in range(5):
+        grad = torch.randn(100, generator=generator)
+        compensated = feedback.compensate("w", grad)
+        assert torch.equal(compensated, grad + old_residual)
+        indices = torch.randperm(100, generator=generator)[:10].sort().values
+        sent = torch.zeros(100)
+        sent[indices] = compensated[indices]
+        expected_total = compensated.clone()
+        feedback.update("w", compensated, indices, compensated[indices].clone())
+        new_residual = feedback.residuals["w"]
+        assert torch.equal(sent + new_residual, expected_total)  # bit for bit
+        assert torch.all(new_residual[indices] == 0)
+        old_residual = new_residual.clone()
+    feedback.clear("w")
+    assert feedback.norm() == 0.0
+
+
+def test_lossy_reception_stays_in_the_residual() -> None:
+    feedback = ErrorFeedback()
+    grad = torch.tensor([1.0, 2.0, 3.0])
+    compensated = feedback.compensate(0, grad)
+    feedback.update(0, compensated, torch.tensor([1, 2]), torch.tensor([1.5, 3.0]))
+    assert feedback.residuals[0].tolist() == [1.0, 0.5, 0.0]
+
+
+def test_momentum_correction_masks_sent_positions() -> None:
+    feedback = MomentumCorrection(momentum=0.5)
+    compensated = feedback.compensate("w", torch.tensor([1.0, 1.0]))
+    feedback.update("w", compensated, torch.tensor([0]), compensated[torch.tensor([0])].clone())
+    assert feedback.velocities["w"].tolist() == [0.0, 1.0]
+    compensated = feedback.compensate("w", torch.tensor([1.0, 1.0]))
+    # u = 0.5*u + g -> [1, 1.5]; plus residual [0, 1]
+    assert compensated.tolist() == [1.0, 2.5]
+    with pytest.raises(ValueError, match="momentum=1.5"):
+        MomentumCorrection(1.5)
+
+
+def test_cost_model_never_prefers_a_costlier_allgather() -> None:
+    model = CostModel(world_size=4)
+    dense = ring_allreduce_bytes(1_000_000, 4, 4)
+    assert dense == 2 * 3 / 4 * 4_000_000
+    assert model.prefer_allgather(10_000, 1_000_000, 4)
+    assert not model.prefer_allgather(2_000_000, 1_000_000, 4)
+    # break-even: (p-1) B + latency == 2 (p-1)/p 4n
+    break_even = (dense - model.latency_bytes) / 3
+    assert model.prefer_allgather(int(break_even) - 1, 1_000_000, 4)
+    assert not model.prefer_allgather(int(break_even) + 1, 1_000_000, 4)
+
+
+def test_collectives_are_identity_for_one_rank() -> None:
+    tensor = torch.arange(4.0)
+    assert torch.equal(allreduce_sum(tensor).wait(), torch.arange(4.0))
+    assert [bytes(b) for b in allgather_bytes(b"abc")] == [b"abc"]
