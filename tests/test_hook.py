@@ -237,7 +237,9 @@ def worker_plain(rank: int, world_size: int) -> float:
     # with averaging, residuals of all ranks together carry what was not sent
     residual_sum = []
     for parameter in model.parameters():
-        residual = exchange.state.feedback.residuals[id(parameter)].reshape(parameter.shape).clone()
+        # a parameter whose bucket went dense (auto: tiny tensors) has no residual left
+        residual = exchange.state.feedback.residuals.get(id(parameter), torch.zeros(parameter.numel(), dtype=torch.float64))
+        residual = residual.reshape(parameter.shape).clone()
         dist.all_reduce(residual)
         residual_sum.append(residual / world_size)
     return max(float((r + res - t).abs().max()) for r, res, t in zip(received, residual_sum, total_local))

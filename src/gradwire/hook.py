@@ -496,3 +496,12 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     Returns a Future of the bucket's buffer holding the gradient averaged over ranks.
     """
     return state.run_bucket(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.gradients(), bucket.is_last())
+
+
+# DDP inspects the hook's annotations at registration; with postponed evaluation they would be
+# strings, so give it the real objects.
+comm_hook.__annotations__ = {
+    "state": CommHookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
