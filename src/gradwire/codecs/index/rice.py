@@ -1,0 +1,101 @@
+"""``rice``: Golomb-Rice code of the gaps, remainders and quotients in two separate streams.
+
+Each gap ``g`` (first position, then difference minus one) splits into ``g >> b`` (unary: that
+many zero bits, then a one) and ``g & (2**b - 1)`` (``b`` bits). Section::
+
+    b            u8, 0..40
+    remainders   k * b bits packed (bits.pack_uint layout), ceil(k * b / 8) bytes
+    quotients    bits.pack_unary stream of the k quotients, to the end of the section
+
+Cost: ``b + 1 + mean(g >> b)`` bits per index. Keeping the two streams apart makes decoding a
+handful of whole-array passes. By default ``b`` is the cheapest of the three candidates around
+``log2(ln 2 * mean gap)``, sized exactly; for uniformly random positions this lands within about
+1.5% of the information bound ``log2 C(n, k)`` from 0.1% to 10% density.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...errors import require
+from ..base import IndexCodec, IndexEncoding, register_index_codec
+from ..bits import pack_unary, unpack_unary
+from ._bitstream import (
+    MAX_POSITION_BITS,
+    gaps_of,
+    positions_from_gaps,
+    read_fixed,
+    require_count,
+    require_zero_padding,
+    write_fixed,
+)
+
+
+def rice_size_bits(gaps: np.ndarray, parameter: int) -> int:
+    """Exact coded size of ``gaps`` with Rice parameter ``parameter``, in bits."""
+    return int(np.sum(gaps >> parameter)) + gaps.size * (parameter + 1)
+
+
+def best_parameter(gaps: np.ndarray) -> int:
+    """The cheapest parameter near the optimum for geometric gaps of the same mean."""
+    if gaps.size == 0:
+        return 0
+    mean = float(gaps.mean())
+    # For geometric gaps of mean m the best Rice parameter is about log2(ln 2 * m); the exact sizes
+    # of its neighbours settle the rounding (three cheap passes).
+    guess = int(math.floor(math.log2(max(mean * math.log(2), 1.0))))
+    candidates = [b for b in (guess - 1, guess, guess + 1) if 0 <= b <= MAX_POSITION_BITS]
+    return min(candidates, key=lambda b: rice_size_bits(gaps, b))
+
+
+@register_index_codec
+class RiceIndexCodec(IndexCodec):
+    name = "rice"
+    wire_id = 7
+
+    def __init__(self, *, parameter: "int | None" = None) -> None:
+        if parameter is not None and (
+            not isinstance(parameter, (int, np.integer))
+            or isinstance(parameter, bool)
+            or not 0 <= parameter <= MAX_POSITION_BITS
+        ):
+            raise ValueError(
+                f"parameter={parameter!r} is not supported; allowed: None (chosen from the data) "
+                f"or an int in [0, {MAX_POSITION_BITS}]"
+            )
+        self.parameter = None if parameter is None else int(parameter)
+
+    def encode(self, indices: np.ndarray, numel: int) -> IndexEncoding:
+        gaps = gaps_of(indices)
+        parameter = best_parameter(gaps) if self.parameter is None else self.parameter
+        remainders = write_fixed(gaps & ((1 << parameter) - 1), parameter)
+        quotients, _ = pack_unary(gaps >> parameter)
+        return IndexEncoding(bytes([parameter]) + remainders + quotients, indices)
+
+    def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
+        require_count(numel, count)
+        require(len(data) >= 1, "rice section is empty")
+        buffer = np.frombuffer(data, dtype=np.uint8)
+        parameter = int(buffer[0])
+        require(parameter <= MAX_POSITION_BITS, f"rice parameter {parameter} exceeds {MAX_POSITION_BITS}")
+        remainder_bytes = (count * parameter + 7) // 8
+        # One unary terminator per index bounds count by the data before anything is allocated.
+        require(
+            len(data) >= 1 + remainder_bytes + (count + 7) // 8,
+            f"{len(data)} bytes cannot hold {count} Rice codes",
+        )
+        unary = buffer[1 + remainder_bytes :]
+        if count == 0:
+            require(unary.size == 0, "trailing bytes after an empty set")
+            return np.zeros(0, dtype=np.int64)
+        quotients = unpack_unary(unary, count)
+        unary_bits = int(quotients.sum()) + count
+        require(unary.size == (unary_bits + 7) // 8, "trailing bytes after the quotients")
+        require_zero_padding(unary, unary_bits, "quotient stream")
+        require_zero_padding(buffer[1 : 1 + remainder_bytes], count * parameter, "remainder stream")
+        require(int(quotients.max()) <= (numel - 1) >> parameter, "gap exceeds the tensor size")
+        remainders = read_fixed(buffer[1 : 1 + remainder_bytes], count, parameter)
+        gaps = (quotients << parameter) | remainders.astype(np.int64)
+        return positions_from_gaps(gaps, numel)
