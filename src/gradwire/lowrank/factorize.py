@@ -1,0 +1,246 @@
+"""Walk any ``nn.Module`` and replace its dense layers by low-rank pairs (Pufferfish).
+
+Covered layers and their replacements (see :mod:`gradwire.lowrank.layers`):
+
+* ``nn.Conv2d`` (groups=1) -> :class:`LowRankConv2d` (k x k conv to r channels, 1x1 conv back);
+* ``nn.Linear`` -> :class:`LowRankLinear`;
+* ``nn.LSTM`` (no proj_size) -> :class:`LowRankLSTM` (all 8 gate matrices per layer factorized);
+* ``nn.MultiheadAttention`` (no bias_k/add_zero_attn) -> :class:`LowRankMultiheadAttention`
+  (Q, K, V and output projections). A ``nn.TransformerEncoderLayer`` is thereby covered whole:
+  its attention through this, its FFN ``linear1``/``linear2`` as plain Linears.
+
+Which layers stay full-rank is decided per layer, in this order: a ``keep_full`` match, fewer
+than ``min_params`` parameters, an unsupported configuration, weights shared with another
+layer (factorizing would silently untie them), and finally no parameter savings at the rank.
+The decisions are stored on the returned model as ``model.lowrank_decisions``.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from torch import nn
+
+from .layers import LowRankConv2d, LowRankLinear, LowRankLSTM, LowRankMultiheadAttention
+
+#: Dense layer type -> its low-rank replacement. Checked in order (subclasses match too).
+REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Conv2d: LowRankConv2d,
+    nn.Linear: LowRankLinear,
+    nn.LSTM: LowRankLSTM,
+    nn.MultiheadAttention: LowRankMultiheadAttention,
+}
+LOW_RANK_TYPES = tuple(REPLACEMENTS.values())
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What :func:`factorize` did with one candidate layer.
+
+    ``shape`` is the shape of the dense layer's first weight (conv: (c_out, c_in, k, k);
+    Linear: (out, in); LSTM: weight_ih_l0 (4*hidden, in); attention: in_proj_weight (3E, E)).
+    ``ranks`` is empty for kept layers, else the replacement's ``ranks`` (conv/linear: (r,);
+    LSTM: input-hidden rank per layer then the hidden-hidden rank; attention: q, k, v, out).
+    ``reason`` says why a layer was kept ("factorized" otherwise).
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    factorized: bool
+    ranks: tuple[int, ...]
+    params_before: int
+    params_after: int
+    reason: str
+
+
+def check_rank_ratio(rank_ratio: float) -> None:
+    """Raise ``ValueError`` naming ``rank_ratio`` unless it is a number in (0, 1]."""
+    if isinstance(rank_ratio, bool) or not isinstance(rank_ratio, (int, float)) \
+            or not math.isfinite(rank_ratio) or not 0.0 < rank_ratio <= 1.0:
+        raise ValueError(f"rank_ratio={rank_ratio!r} must be a number in (0, 1]")
+
+
+def factorize(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[str] | str | None" = None,
+              min_params: int = 0, *, inplace: bool = False, extra_bn: bool = False,
+              require_savings: bool = True) -> nn.Module:
+    """Return ``model`` with its dense layers replaced by SVD-initialised low-rank pairs.
+
+    Args:
+        model: any module (not a DDP wrapper: pass ``ddp.module``, or use :class:`Warmup`).
+        rank_ratio: r = max(1, round(rank_ratio * min(out, in*k*k))) per matrix; in (0, 1].
+        keep_full: qualified names (a name keeps the module and everything under it) or
+            ``fnmatch`` patterns of layers to leave full-rank. ``None`` uses the model's own
+            hybrid policy, ``model.lowrank_keep_full`` (the shipped models follow the paper),
+            or else keeps the first and the last candidate layer. ``()`` keeps nothing.
+        min_params: layers with fewer parameters stay full-rank.
+        inplace: modify ``model`` itself (kept layers keep their Parameter objects) instead of
+            a deep copy.
+        extra_bn: put a BatchNorm2d between the two factors of every factorized conv.
+        require_savings: keep a layer whose factorization would not have fewer parameters.
+            Set False to factorize anyway (at ``rank_ratio=1`` the output is then unchanged).
+
+    Raises ``ValueError`` for a bad ``rank_ratio``/``min_params``, an unknown exact name in
+    ``keep_full``, or a model in which no layer ends up factorized.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradwire.lowrank import factorize
+        >>> net = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        ...                     nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> small = factorize(net, rank_ratio=0.25)          # keeps the first and last layer
+        >>> [d.name for d in small.lowrank_decisions if d.factorized]
+        ['3']
+        >>> small(torch.randn(2, 3, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+    check_options(model, rank_ratio, keep_full, min_params)
+    root = model if inplace else copy.deepcopy(model)
+    candidates = find_candidates(root)
+    patterns = _keep_full_patterns(root, keep_full, candidates)
+    shared = _shared_parameter_ids(root)
+    decisions = []
+    for name, module in candidates:
+        params = _count(module)
+        reason = _reason_to_keep(name, module, patterns, min_params, shared)
+        replacement = None
+        if reason is None:
+            replacement = _low_rank(module, rank_ratio, extra_bn)
+            if require_savings and _count(replacement) >= params:
+                reason = f"no parameter savings at rank {_ranks_text(replacement.ranks)}"
+                replacement = None
+        if replacement is None:
+            decisions.append(LayerDecision(name, type(module).__name__, _shape(module), False, (), params, params, reason))
+            continue
+        decisions.append(LayerDecision(name, type(module).__name__, _shape(module), True, replacement.ranks,
+                                       params, _count(replacement), "factorized"))
+        if name:
+            root.set_submodule(name, replacement)
+        else:
+            root = replacement
+    if not any(decision.factorized for decision in decisions):
+        kept = ", ".join(f"{d.name or '<model>'}: {d.reason}" for d in decisions[:6])
+        raise ValueError(f"factorize: no layer was factorized ({kept}{', ...' if len(decisions) > 6 else ''}); "
+                         "loosen keep_full (keep_full=() factorizes every layer), min_params or rank_ratio")
+    _disable_nested_tensor(root)
+    root.lowrank_decisions = tuple(decisions)
+    return root
+
+
+def check_options(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[str] | str | None" = None,
+                  min_params: int = 0) -> None:
+    """Raise the ``ValueError`` :func:`factorize` would raise for these options, cheaply (no
+    SVD): bad ``rank_ratio``/``min_params``, a wrapped or candidate-less model, unknown names."""
+    check_rank_ratio(rank_ratio)
+    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
+        raise ValueError(f"min_params={min_params!r} must be an integer >= 0")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise ValueError("factorize: pass the wrapped model (ddp.module), or use lowrank.Warmup, which re-wraps it")
+    candidates = find_candidates(model)
+    if not candidates:
+        raise ValueError("factorize: the model has no Conv2d, Linear, LSTM or MultiheadAttention layer to factorize")
+    _keep_full_patterns(model, keep_full, candidates)
+
+
+def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every layer :func:`factorize` can replace, in module order.
+
+    Attention and already factorized modules are taken whole: their inner Linears (e.g. the
+    attention's ``out_proj``) are not candidates of their own.
+    """
+    candidates: list[tuple[str, nn.Module]] = []
+    inside: str | None = None  # named_modules is depth-first: a module's descendants follow it
+    for name, module in model.named_modules():
+        if inside is not None and (inside == "" or name.startswith(inside + ".")):
+            continue
+        inside = None
+        if isinstance(module, LOW_RANK_TYPES):
+            inside = name
+        elif isinstance(module, tuple(REPLACEMENTS)):
+            candidates.append((name, module))
+            inside = name
+    return candidates
+
+
+def _keep_full_patterns(root: nn.Module, keep_full: "Iterable[str] | str | None",
+                        candidates: list[tuple[str, nn.Module]]) -> list[str]:
+    if keep_full is None:
+        policy = getattr(root, "lowrank_keep_full", None)
+        if policy is None:
+            return [candidates[0][0], candidates[-1][0]]
+        keep_full = policy
+    patterns = [keep_full] if isinstance(keep_full, str) else list(keep_full)
+    known = {name for name, _ in root.named_modules()}
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ValueError(f"keep_full entries must be layer names or patterns, got {pattern!r}")
+        if not any(char in pattern for char in "*?[") and pattern not in known:
+            examples = ", ".join(name for name, _ in candidates[:8])
+            raise ValueError(f"keep_full: no layer named {pattern!r}; valid names include: {examples}"
+                             f"{', ...' if len(candidates) > 8 else ''}")
+    return patterns
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
+
+
+def _reason_to_keep(name: str, module: nn.Module, patterns: list[str], min_params: int, shared: set[int]) -> str | None:
+    for pattern in patterns:
+        if _matches(name, pattern):
+            return f"keep_full {pattern!r}"
+    params = _count(module)
+    if params < min_params:
+        return f"min_params ({params} < {min_params})"
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return f"grouped conv (groups={module.groups})"
+    if isinstance(module, nn.LSTM) and module.proj_size:
+        return "LSTM proj_size is not supported"
+    if isinstance(module, nn.MultiheadAttention) and (module.bias_k is not None or module.add_zero_attn):
+        return "attention bias_k/add_zero_attn is not supported"
+    if any(id(parameter) in shared for parameter in module.parameters()):
+        return "weights shared with another layer"
+    return None
+
+
+def _low_rank(module: nn.Module, rank_ratio: float, extra_bn: bool) -> nn.Module:
+    for dense_type, low_rank_type in REPLACEMENTS.items():
+        if isinstance(module, dense_type):
+            if low_rank_type is LowRankConv2d:
+                return LowRankConv2d.from_dense(module, rank_ratio, extra_bn=extra_bn)
+            return low_rank_type.from_dense(module, rank_ratio)
+    raise TypeError(f"no low-rank replacement for {type(module).__name__}")
+
+
+def _shared_parameter_ids(root: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, parameter in root.named_parameters(remove_duplicate=False):
+        seen[id(parameter)] = seen.get(id(parameter), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
+def _disable_nested_tensor(root: nn.Module) -> None:
+    # In eval mode with a padding mask, nn.TransformerEncoder may turn its input into a nested
+    # tensor, which only PyTorch's fused layers accept; a low-rank attention layer needs the
+    # regular path.
+    for module in root.modules():
+        if isinstance(module, nn.TransformerEncoder) and any(
+                isinstance(inner, LowRankMultiheadAttention) for inner in module.modules()):
+            module.use_nested_tensor = False
+
+
+def _count(module: nn.Module) -> int:
+    return sum(parameter.numel() for parameter in module.parameters())
+
+
+def _shape(module: nn.Module) -> tuple[int, ...]:
+    return tuple(next(module.parameters()).shape)
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    return "/".join(map(str, ranks))

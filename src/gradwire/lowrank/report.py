@@ -1,0 +1,206 @@
+"""Per-layer report of a factorization: ranks, parameters and multiply-adds before and after.
+
+Multiply-adds (MACs) are counted for one forward pass of a given input by forward hooks on
+the weight layers, from module shapes: conv ``out.numel() * c_in/groups * k * k``, Linear
+``rows * in * out``, LSTM ``T * N * 4 * hidden * (in + hidden)`` per layer and direction (the
+low-rank LSTM's factors likewise), attention its four projections plus ``2 * N * L * S * E``
+for the score and value products. Normalization, activations and pooling are not counted.
+
+Also the ``gradwire lowrank summary`` command::
+
+    python -m gradwire lowrank summary --model resnet18 --rank-ratio 0.25 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .factorize import LayerDecision, factorize
+from .layers import LowRankLSTM, LowRankMultiheadAttention
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One candidate layer: its :class:`LayerDecision` plus MACs (multiply-adds, per forward
+    pass of the example input) before and after."""
+
+    decision: LayerDecision
+    macs_before: int
+    macs_after: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Rows for every candidate layer, and whole-model parameter counts (all parameters,
+    including normalization layers and embeddings; shared ones counted once)."""
+
+    rows: tuple[LayerRow, ...]
+    model_params_before: int
+    model_params_after: int
+    input_shape: tuple[int, ...]
+
+    @property
+    def macs_before(self) -> int:
+        return sum(row.macs_before for row in self.rows)
+
+    @property
+    def macs_after(self) -> int:
+        return sum(row.macs_after for row in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = [{**asdict(row.decision), "macs_before": row.macs_before, "macs_after": row.macs_after}
+                  for row in self.rows]
+        return {"input_shape": list(self.input_shape), "layers": layers,
+                "model_params_before": self.model_params_before, "model_params_after": self.model_params_after,
+                "macs_before": self.macs_before, "macs_after": self.macs_after}
+
+    def table(self) -> str:
+        """A plain-text table, one line per layer, then totals."""
+        headers = ("layer", "kind", "shape", "rank", "params", "params lr", "MACs", "MACs lr", "decision")
+        lines = []
+        for row in self.rows:
+            d = row.decision
+            lines.append((d.name or "<model>", d.kind, "x".join(map(str, d.shape)),
+                          "/".join(map(str, d.ranks)) or "full", f"{d.params_before:,}", f"{d.params_after:,}",
+                          f"{row.macs_before:,}", f"{row.macs_after:,}", d.reason))
+        lines.append(("total (these layers)", "", "", "", f"{sum(r.decision.params_before for r in self.rows):,}",
+                      f"{sum(r.decision.params_after for r in self.rows):,}", f"{self.macs_before:,}",
+                      f"{self.macs_after:,}", ""))
+        ratio = self.model_params_after / self.model_params_before
+        macs_ratio = self.macs_after / self.macs_before if self.macs_before else float("nan")
+        return (format_table(headers, lines) + f"\nmodel parameters: {self.model_params_before:,} -> "
+                f"{self.model_params_after:,} ({ratio:.3f}x); MACs per forward of {tuple(self.input_shape)}: "
+                f"{macs_ratio:.3f}x")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned text columns, numbers (cells starting with a digit) right-aligned."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(cell).rjust(width) if str(cell)[:1].isdigit() else str(cell).ljust(width)
+                         for cell, width in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * width for width in widths]), *map(line, rows)])
+
+
+def summarize(model: nn.Module, example_input: Tensor, factorized: nn.Module | None = None,
+              **factorize_kwargs: Any) -> Summary:
+    """Report on ``factorized`` (by default ``factorize(model, **factorize_kwargs)``, a copy)
+    against the full-rank ``model``, counting MACs for ``example_input`` (one batch, e.g.
+    ``model.example_input(1)`` of a shipped model; on the models' device)."""
+    if factorized is None:
+        factorized = factorize(model, inplace=False, **factorize_kwargs)
+    decisions: tuple[LayerDecision, ...] = getattr(factorized, "lowrank_decisions", ())
+    if not decisions:
+        raise ValueError("summarize: `factorized` carries no lowrank_decisions; build it with lowrank.factorize")
+    names = [decision.name for decision in decisions]
+    before, after = count_macs(model, example_input, names), count_macs(factorized, example_input, names)
+    rows = tuple(LayerRow(d, before.get(d.name, 0), after.get(d.name, 0)) for d in decisions)
+    return Summary(rows, _count(model), _count(factorized), tuple(example_input.shape))
+
+
+def count_macs(model: nn.Module, example_input: Tensor, layer_names: Sequence[str]) -> dict[str, int]:
+    """MACs of one forward pass of ``example_input``, summed per name in ``layer_names`` (a
+    weight layer counts towards the longest listed name that is it or contains it)."""
+    totals: dict[str, int] = {}
+    handles = []
+
+    def owner(name: str) -> str | None:
+        matches = [n for n in layer_names if n == name or not n or name.startswith(n + ".")]
+        return max(matches, key=len) if matches else None
+
+    for name, module in model.named_modules():
+        layer = owner(name)
+        if layer is not None and isinstance(module, _COUNTED):
+            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any, layer: str = layer) -> None:
+                totals[layer] = totals.get(layer, 0) + _macs(module, args, kwargs, output)
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(example_input)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return totals
+
+
+_COUNTED = (nn.Conv2d, nn.Linear, nn.LSTM, LowRankLSTM, nn.MultiheadAttention, LowRankMultiheadAttention)
+
+
+def _macs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> int:
+    if isinstance(module, nn.Conv2d):
+        kh, kw = module.kernel_size
+        return output.numel() * module.in_channels // module.groups * kh * kw
+    if isinstance(module, nn.Linear):
+        return output.numel() * module.in_features
+    if isinstance(module, (nn.LSTM, LowRankLSTM)):
+        return _lstm_macs(module, args[0].numel() // module.input_size)
+    query = args[0] if args else kwargs["query"]
+    key = args[1] if len(args) > 1 else kwargs["key"]
+    embed = module.embed_dim
+    batch = 1 if query.dim() == 2 else query.shape[0 if module.batch_first else 1]
+    queries, keys = query.numel() // embed, key.numel() // module.kdim  # (L*N, S*N)
+    attention = 2 * queries * (keys // batch) * embed
+    if isinstance(module, LowRankMultiheadAttention):
+        return attention  # its projections are Linear modules, counted by their own hooks
+    return attention + 2 * queries * embed * embed + keys * embed * (module.kdim + module.vdim)
+
+
+def _lstm_macs(lstm: nn.Module, steps: int) -> int:
+    hidden, directions = lstm.hidden_size, 2 if lstm.bidirectional else 1
+    total = 0
+    for layer in range(lstm.num_layers):
+        layer_input = lstm.input_size if layer == 0 else hidden * directions
+        if isinstance(lstm, LowRankLSTM):
+            r_ih, r_hh = lstm.ranks_ih[layer], lstm.rank_hh
+            per_step = 4 * r_ih * (layer_input + hidden) + 4 * r_hh * (hidden + hidden)
+        else:
+            per_step = 4 * hidden * (layer_input + hidden)
+        total += directions * steps * per_step
+    return total
+
+
+def _count(model: nn.Module) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..models import MODELS
+
+    parser.add_argument("--model", choices=tuple(MODELS), default="resnet18", help="shipped model (default resnet18)")
+    parser.add_argument("--rank-ratio", type=float, default=0.25, help="rank / full rank, in (0, 1] (default 0.25)")
+    parser.add_argument("--keep-full", nargs="*", default=None, metavar="NAME",
+                        help="layer names or patterns kept full-rank (default: the model's hybrid policy)")
+    parser.add_argument("--min-params", type=int, default=0, help="keep layers with fewer parameters full-rank")
+    parser.add_argument("--extra-bn", action="store_true", help="BatchNorm between the two factors of each conv")
+    parser.add_argument("--batch-size", type=int, default=1, help="batch size for the MAC count (default 1)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..models import build_model
+
+    model = build_model(args.model)
+    try:
+        summary = summarize(model, model.example_input(args.batch_size), rank_ratio=args.rank_ratio,
+                            keep_full=args.keep_full, min_params=args.min_params, extra_bn=args.extra_bn)
+    except ValueError as error:
+        print(f"gradwire lowrank summary: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{args.model}, rank_ratio={args.rank_ratio}")
+    print(summary.table())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"model": args.model, "rank_ratio": args.rank_ratio, **summary.to_dict()}, handle, indent=2)
+    return 0

@@ -1,0 +1,43 @@
+"""Models for tests, examples and benchmarks, defined here (nothing is downloaded).
+
+Every model takes ``num_classes``-style keywords of its own, has an ``example_input(batch_size)``
+that returns a valid random batch on its device, and a ``lowrank_keep_full`` hybrid policy that
+:func:`gradwire.lowrank.factorize` uses by default.
+
+>>> from gradwire.models import build_model
+>>> model = build_model("resnet18", num_classes=10)
+>>> sum(p.numel() for p in model.parameters())
+11173834
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from ..errors import check_choice
+from .cnn import SmallCNN
+from .lstm import LSTMLanguageModel
+from .resnet import ResNet18
+from .transformer import TransformerClassifier
+from .vgg import VGG19
+
+#: Model name -> class; keywords of ``build_model`` go to the class.
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "cnn": SmallCNN,
+    "resnet18": ResNet18,
+    "vgg19": VGG19,
+    "lstm": LSTMLanguageModel,
+    "transformer": TransformerClassifier,
+}
+
+
+def build_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build model ``name`` (one of ``MODELS``) with its keywords, e.g. ``num_classes=10,
+    in_channels=3`` for the image models, ``vocab_size`` for the sequence models."""
+    check_choice("model", name, tuple(MODELS))
+    return MODELS[name](**kwargs)
+
+
+__all__ = ["MODELS", "build_model", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19"]
