@@ -14,6 +14,7 @@ from typing import Sequence
 
 #: (group, command) -> (module, one-line help). A group of None is a top-level command.
 COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
+    (None, "train"): ("gradwire.cli.train", "train with one or more methods on local workers and compare"),
     ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
     ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
     ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),

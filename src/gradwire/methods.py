@@ -1,0 +1,128 @@
+"""Compact method specs for the CLI: ``name[:key=value,...]``, joined by ``+`` to combine.
+
+Examples::
+
+    allreduce                                   plain DDP
+    torch-fp16                                  PyTorch's fp16_compress_hook
+    torch-powersgd:rank=4                       PyTorch's powerSGD_hook
+    topk:density=0.01,values=fp16,indices=rice  gradwire hook
+    randomblock:density=0.01                    gradwire hook, shared support -> AllReduce
+    pufferfish:rank_ratio=0.25,warmup_epochs=1  low-rank model after a full-rank warm-up
+    pufferfish:rank_ratio=0.25+topk:density=0.01
+
+Parsing gives plain data (:class:`MethodSpec`); applying it to a model lives in ``training.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TORCH_HOOKS = ("allreduce", "torch-fp16", "torch-powersgd")
+
+#: gradwire compressor options accepted in a spec -> CommHookState keyword.
+HOOK_KEYS = {
+    "density": ("density", float),
+    "k": ("k", int),
+    "threshold": ("threshold", float),
+    "values": ("value_codec", str),
+    "indices": ("index_codec", str),
+    "collective": ("collective", str),
+    "scope": ("scope", str),
+    "ef": ("error_feedback", "bool"),
+    "momentum_correction": ("momentum_correction", float),
+    "warmup_steps": ("warmup_steps", int),
+    "seed": ("seed", int),
+    "bits": ("codec_option:bits", int),
+    "bucket_size": ("codec_option:bucket_size", int),
+    "fpr": ("codec_option:fpr", float),
+    "policy": ("codec_option:policy", str),
+    "tolerance": ("codec_option:tolerance", float),
+    "level": ("codec_option:level", int),
+}
+TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": {}, "allreduce": {}}
+PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method: at most one communication part and at most one pufferfish part."""
+
+    text: str
+    communication: Part
+    pufferfish: Part | None = None
+
+    @property
+    def label(self) -> str:
+        return self.text
+
+    def hook_options(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`gradwire.CommHookState` (gradwire compressors only)."""
+        options: dict[str, Any] = {"compressor": self.communication.name}
+        codec_options: dict[str, Any] = {}
+        for key, value in self.communication.options.items():
+            target = HOOK_KEYS[key][0]
+            if target.startswith("codec_option:"):
+                codec_options[target.split(":", 1)[1]] = value
+            else:
+                options[target] = value
+        if codec_options:
+            options["codec_options"] = codec_options
+        return options
+
+
+def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1", "yes")
+        return kind(raw)
+    except ValueError:
+        kind_name = "true/false" if kind == "bool" else kind.__name__
+        raise ValueError(f"method {spec!r}: {key}={raw!r} is not a valid {kind_name}") from None
+
+
+def _parse_part(spec: str, text: str, compressors: list[str]) -> Part:
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    allowed_names = [*TORCH_HOOKS, "pufferfish", *compressors]
+    if name not in allowed_names:
+        raise ValueError(f"method {spec!r}: {name!r} is not supported; allowed: {', '.join(allowed_names)}")
+    if name == "pufferfish":
+        keys: dict[str, Any] = PUFFERFISH_KEYS
+    elif name in TORCH_HOOKS:
+        keys = TORCH_KEYS[name]
+    else:
+        keys = {key: kind for key, (_, kind) in HOOK_KEYS.items()}
+    options: dict[str, Any] = {}
+    for item in filter(None, (piece.strip() for piece in rest.split(","))):
+        key, equals, raw = item.partition("=")
+        key = key.strip()
+        if not equals:
+            raise ValueError(f"method {spec!r}: {item!r} must be key=value")
+        if key not in keys:
+            raise ValueError(f"method {spec!r}: {name} has no option {key!r}; allowed: {', '.join(keys) or '(none)'}")
+        options[key] = _convert(spec, key, raw.strip(), keys[key])
+    return Part(name, options)
+
+
+def parse_method(spec: str) -> MethodSpec:
+    """Parse one method spec; ValueError names the bad part and lists what is allowed."""
+    from .sparsify import sparsifiers
+
+    if not spec or not spec.strip():
+        raise ValueError("method spec is empty; e.g. 'allreduce' or 'topk:density=0.01'")
+    parts = [_parse_part(spec, piece, sparsifiers()) for piece in spec.split("+")]
+    pufferfish = [p for p in parts if p.name == "pufferfish"]
+    communication = [p for p in parts if p.name != "pufferfish"]
+    if len(pufferfish) > 1 or len(communication) > 1:
+        raise ValueError(f"method {spec!r}: combine at most one pufferfish part with one communication method")
+    return MethodSpec(spec.strip(), communication[0] if communication else Part("allreduce"),
+                      pufferfish[0] if pufferfish else None)

@@ -1,0 +1,284 @@
+"""One rank's training loop for ``gradwire train``: apply a method, train, time every phase.
+
+Runs inside an initialized process group (launched by ``gradwire train`` or by ``torchrun``).
+Per step it records loss, seconds of forward, backward (with DDP this includes waiting for the
+exchange that overlaps it), optimizer, and — from the gradwire hook's own counters — seconds in
+compress (sparsify + encode), communicate and decompress, and bytes sent by this rank.
+
+``compute_only=True`` runs forward+backward under ``no_sync()`` (no communication at all): the
+floor that communication overhead is measured against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .exchange.cost import ring_allreduce_bytes
+from .methods import MethodSpec, parse_method
+from .workloads import Workload, build_workload
+
+
+@dataclass
+class TrainConfig:
+    """Everything a rank needs; JSON-serializable (the launcher hands it to workers as JSON)."""
+
+    methods: list[str] = field(default_factory=lambda: ["allreduce", "topk:density=0.01,values=fp16,indices=rice"])
+    model: str = "cnn"
+    data: Optional[str] = None
+    text: Optional[str] = None
+    epochs: int = 1
+    steps_per_epoch: Optional[int] = None
+    warmup_steps: int = 0
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    threads: int = 1
+    synthetic_size: int = 2048
+    evaluate: bool = True
+    compute_only: bool = False
+    out: Optional[str] = None
+    progress: bool = True
+    bucket_cap_mb: float = 25.0
+
+    def validate(self) -> None:
+        for name in ("epochs", "batch_size", "threads", "synthetic_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch={self.steps_per_epoch} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        for spec in self.methods:
+            parse_method(spec)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _hook_bytes_per_step(spec: MethodSpec, parameters: int, world: int) -> float:
+    """Bytes per worker per step for PyTorch's own hooks (they keep no counters)."""
+    name = spec.communication.name
+    if name == "allreduce":
+        return ring_allreduce_bytes(parameters, 4, world)
+    if name == "torch-fp16":
+        return ring_allreduce_bytes(parameters, 2, world)
+    return math.nan  # powerSGD: measured by difference of model sizes is not exact; reported as n/a
+
+
+def _wrap(module: torch.nn.Module, spec: MethodSpec, config: TrainConfig, device: torch.device) -> tuple[DDP, Any]:
+    """DDP around ``module`` with the method's communication hook; returns (ddp, hook state)."""
+    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=config.bucket_cap_mb)
+    name = spec.communication.name
+    options = spec.communication.options
+    if name == "allreduce":
+        return ddp, None
+    if name == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp, None
+    if name == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
+                                            start_powerSGD_iter=options.get("start_iter", 2))
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return ddp, None
+    import gradwire
+
+    state = gradwire.CommHookState(model=ddp, **spec.hook_options())
+    ddp.register_comm_hook(state, gradwire.comm_hook)
+    return ddp, state
+
+
+def _evaluate(model: torch.nn.Module, workload: Workload, device: torch.device, batch_size: int = 256) -> float:
+    model.eval()
+    loader = torch.utils.data.DataLoader(workload.test, batch_size=batch_size)
+    correct, total = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in loader:
+            outputs = model(inputs.to(device))
+            correct += workload.accuracy(outputs, targets.to(device)) * targets.numel()
+            total += targets.numel()
+    model.train()
+    return correct / max(total, 1)
+
+
+def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
+    """Train one method from the same seed; returns its summary (identical on every rank)."""
+    spec = parse_method(spec_text)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device()
+    workload = build_workload(config.model, config.data, seed=config.seed, text=config.text,
+                              synthetic_size=config.synthetic_size)
+    module = workload.model.to(device)
+    ddp, state = _wrap(module, spec, config, device)
+    holder: dict[str, Any] = {"ddp": ddp, "state": state}
+
+    def optimizer_factory(parameters: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum)
+
+    warmup = None
+    if spec.pufferfish is not None:
+        from .lowrank import Warmup
+
+        def rewrap(factorized: torch.nn.Module) -> DDP:
+            new_ddp, new_state = _wrap(factorized, spec, config, device)
+            holder["state_before"] = holder["state"]
+            holder["state"] = new_state
+            return new_ddp
+
+        puffer = spec.pufferfish.options
+        warmup = Warmup(ddp, optimizer_factory, puffer.get("warmup_epochs", 1), rank_ratio=puffer.get("rank_ratio", 0.25),
+                        carry_momentum=puffer.get("carry_momentum", False), extra_bn=puffer.get("extra_bn", False),
+                        ddp_factory=rewrap)
+        optimizer = warmup.optimizer
+        ddp = warmup.model
+    else:
+        optimizer = optimizer_factory(ddp.parameters())
+
+    sampler = torch.utils.data.distributed.DistributedSampler(workload.train, shuffle=True, seed=config.seed)
+    loader = torch.utils.data.DataLoader(workload.train, batch_size=config.batch_size, sampler=sampler, drop_last=True)
+    steps_per_epoch = min(len(loader), config.steps_per_epoch or len(loader))
+    metrics_file = None
+    if config.out and rank == 0:
+        os.makedirs(config.out, exist_ok=True)
+        metrics_file = open(os.path.join(config.out, f"metrics-{_slug(spec_text)}.jsonl"), "w")
+    bar = None
+    if config.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.epochs * steps_per_epoch, desc=spec_text, leave=False, dynamic_ncols=True)
+    records: list[dict[str, Any]] = []
+    wall_start = time.perf_counter()
+    status = "ok"
+    try:
+        ddp, optimizer = _loop(config, spec, workload, ddp, optimizer, warmup, holder, sampler, loader,
+                               steps_per_epoch, records, metrics_file, bar, device, world)
+    except Exception as error:  # DDP re-raises the hook's NonFiniteGradientError wrapped
+        # the hook raises on every rank together when a gradient holds NaN/Inf: record the
+        # divergence and go on with the next method instead of losing the whole comparison
+        if "NaN or Inf" not in str(error):
+            raise
+        status = f"diverged (NaN/Inf gradient) at step {len(records)}"
+    wall = time.perf_counter() - wall_start
+    if bar is not None:
+        bar.close()
+    if metrics_file:
+        metrics_file.close()
+    accuracy = _evaluate(ddp, workload, device) if config.evaluate and status == "ok" else math.nan
+    measured = records[config.warmup_steps:] or records
+    summary = {
+        "method": spec_text,
+        "status": status,
+        "model": config.model,
+        "world_size": world,
+        "steps": len(records),
+        "final_loss": records[-1]["loss"] if records else math.nan,
+        "test_accuracy": accuracy,
+        "wall_seconds": wall,
+        "seconds_per_step": _median([r["seconds_step"] for r in measured]),
+        "bytes_per_step": _median([r.get("bytes_sent", math.nan) for r in measured]),
+        "parameters": sum(p.numel() for p in ddp.parameters()),
+        "phases": {key: _median([r.get(key, math.nan) for r in measured]) for key in
+                   ("seconds_forward", "seconds_backward", "seconds_optimizer", "seconds_compress",
+                    "seconds_communicate", "seconds_decompress")},
+        "compute_only": config.compute_only,
+        "config": asdict(config),
+    }
+    return summary
+
+
+def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, optimizer: Any, warmup: Any,
+          holder: dict[str, Any], sampler: Any, loader: Any, steps_per_epoch: int, records: list[dict[str, Any]],
+          metrics_file: Any, bar: Any, device: torch.device, world: int) -> tuple[Any, Any]:
+    """The epochs of one method; appends a record per step; returns the final (model, optimizer)."""
+    spec_text = spec.text
+    global_step = 0
+    for epoch in range(config.epochs):
+        sampler.set_epoch(epoch)
+        for step, (inputs, targets) in enumerate(loader):
+            if step >= steps_per_epoch:
+                break
+            inputs, targets = inputs.to(device), targets.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            context = ddp.no_sync() if config.compute_only else _null()
+            with context:
+                loss = workload.loss(ddp(inputs), targets)
+                t1 = time.perf_counter()
+                loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            record = {"method": spec_text, "epoch": epoch, "step": global_step, "loss": float(loss.detach()),
+                      "seconds_forward": t1 - t0, "seconds_backward": t2 - t1, "seconds_optimizer": t3 - t2,
+                      "seconds_step": t3 - t0, "lowrank": bool(warmup and warmup.factorized)}
+            current_state = holder["state"]
+            if config.compute_only:
+                record["bytes_sent"] = 0.0
+            elif current_state is not None:
+                stats = current_state.stats()
+                record.update({"seconds_compress": stats["seconds_sparsify"] + stats["seconds_encode"],
+                               "seconds_communicate": stats["seconds_communicate"],
+                               "seconds_decompress": stats["seconds_decode"], "bytes_sent": stats["bytes_sent"]})
+            else:
+                parameters = sum(p.numel() for p in ddp.parameters() if p.requires_grad)
+                record["bytes_sent"] = _hook_bytes_per_step(spec, parameters, world)
+            records.append(record)
+            if metrics_file:
+                metrics_file.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.update()
+                bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=epoch)
+            global_step += 1
+        if warmup is not None and warmup.step_epoch():
+            ddp, optimizer = warmup.model, warmup.optimizer
+    return ddp, optimizer
+
+def run_rank(config: TrainConfig) -> list[dict[str, Any]]:
+    """Train every method of ``config`` in turn on this rank; rank 0 writes summary.json."""
+    torch.set_num_threads(config.threads)
+    summaries = [train_method(config, spec) for spec in config.methods]
+    if config.out and dist.get_rank() == 0:
+        os.makedirs(config.out, exist_ok=True)
+        with open(os.path.join(config.out, "summary.json"), "w") as handle:
+            json.dump(summaries, handle, indent=1, default=_json_default)
+    return summaries
+
+
+def _median(values: list[float]) -> float:
+    finite = sorted(v for v in values if v == v)
+    if not finite:
+        return math.nan
+    middle = len(finite) // 2
+    return finite[middle] if len(finite) % 2 else 0.5 * (finite[middle - 1] + finite[middle])
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:80]
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
