@@ -101,6 +101,10 @@ class IndexEncoding:
 class IndexCodec(Codec):
     """Strictly ascending int64 positions in ``[0, numel)`` <-> bytes."""
 
+    #: True for codecs whose decoder queries every one of the ``numel`` positions (Bloom): their
+    #: cost grows with ``numel``, not with the number of indices.
+    scans_every_position: ClassVar[bool] = False
+
     @abstractmethod
     def encode(self, indices: np.ndarray, numel: int) -> IndexEncoding:
         """Encode ``indices`` (int64, shape (k,), strictly ascending, in ``[0, numel)``)."""
