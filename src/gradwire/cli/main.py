@@ -14,10 +14,12 @@ from typing import Sequence
 
 #: (group, command) -> (module, one-line help). A group of None is a top-level command.
 COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
+    (None, "cluster"): ("gradwire.cluster.command", "emulated bandwidth-limited cluster in network namespaces (root)"),
     (None, "train"): ("gradwire.cli.train", "train with one or more methods on local workers and compare"),
     ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
     ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
     ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),
+    ("bench", "e2e"): ("gradwire.bench.e2e", "methods x bandwidths x workers on emulated rate-limited links"),
     ("lowrank", "summary"): ("gradwire.lowrank.report", "per-layer report of a factorized model"),
 }
 GROUP_HELP = {"bench": "benchmarks that print tables (and --json)", "lowrank": "Pufferfish low-rank models"}

@@ -8,6 +8,7 @@ one rank of the job torchrun started (``torchrun --nnodes ... -m gradwire train 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from typing import Any, Optional
 
 from ..bench.table import format_table
 
+_LAUNCHES = itertools.count()
 DEFAULT_METHODS = ["allreduce", "topk:density=0.01,values=fp16,indices=rice"]
 
 
@@ -122,12 +124,21 @@ def launch(config: Any, workers: int, *, timeout: float = 3600,
             from ..cluster import ClusterSpec, up
 
             bandwidth, latency = cluster
-            with up(ClusterSpec(workers=workers, bandwidth=bandwidth, latency=latency)) as emulated:
+            # a prefix of our own, so concurrent runs never collide
+            prefix = f"g{os.getpid() % 10**6}{next(_LAUNCHES) % 1000}"
+            with up(ClusterSpec(workers=workers, bandwidth=bandwidth, latency=latency, prefix=prefix)) as emulated:
                 commands = [emulated.wrap(rank, argv) for rank in range(workers)]
                 interfaces = [emulated.interface(rank) for rank in range(workers)]
                 _run_processes(commands, emulated.master_addr, timeout, interfaces=interfaces)
+                wire_bytes = [emulated.bytes_sent(rank) for rank in range(workers)]
         with open(result_path) as handle:
-            return json.load(handle)
+            summaries = json.load(handle)
+        if cluster is not None:
+            for summary in summaries:  # counters cover the whole launch: every method, setup included
+                summary["link"] = {"bandwidth": cluster[0], "latency": cluster[1],
+                                   "latency_emulated": emulated.latency_emulated,
+                                   "launch_bytes_sent_by_rank": wire_bytes}
+        return summaries
 
 
 def _run_processes(commands: list[list[str]], master_addr: str, timeout: float,

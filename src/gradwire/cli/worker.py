@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
         if dist.get_rank() == 0:
             with open(result_path, "w") as handle:
                 json.dump(summaries, handle, default=str)
+        dist.barrier()  # nobody tears down its gloo pairs while a peer still uses them
     finally:
         dist.destroy_process_group()
     return 0
