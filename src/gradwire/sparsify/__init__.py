@@ -1,0 +1,45 @@
+"""Sparsifiers: which positions of a flat gradient to keep.
+
+>>> import torch, gradwire.sparsify as sparsify
+>>> chooser = sparsify.get_sparsifier("topk", k=2)
+>>> chooser.select(torch.tensor([0.1, -3.0, 0.2, 2.0])).tolist()
+[1, 3]
+>>> sparsify.sparsifiers()
+['gaussian-k', 'randomblock', 'randomk', 'sampled-topk', 'threshold', 'topk']
+
+They know nothing of bytes, codecs or ranks; see :mod:`gradwire.sparsify.base` for the
+contract (ascending int64 indices on the input's device) and the amount options.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sparse import SparseTensor
+from . import gaussian, random, sampled, threshold, topk  # noqa: F401  (each registers itself)
+from .base import BudgetSparsifier, Sparsifier, get_sparsifier, register_sparsifier, sparsifier_classes
+from .scope import select_global, select_layerwise
+
+
+def sparsifiers() -> list[str]:
+    """Names of the registered sparsifiers, sorted."""
+    return sorted(sparsifier_classes())
+
+
+def sparsify(flat: torch.Tensor, sparsifier: Sparsifier, *, step: int = 0, tensor_id: int = 0) -> SparseTensor:
+    """``sparsifier``'s selection of ``flat`` (any shape; flattened) with its values gathered."""
+    flat = flat.reshape(-1)
+    indices = sparsifier.select(flat, step=step, tensor_id=tensor_id)
+    return SparseTensor(flat[indices], indices, flat.numel())
+
+
+__all__ = [
+    "BudgetSparsifier",
+    "Sparsifier",
+    "get_sparsifier",
+    "register_sparsifier",
+    "select_global",
+    "select_layerwise",
+    "sparsifiers",
+    "sparsify",
+]

@@ -1,0 +1,210 @@
+"""The sparsifier interface, the amount of sparsity (density or k) and the registry.
+
+A sparsifier looks at one flat gradient and says which positions to keep: it returns int64
+indices, strictly ascending, on the gradient's device. It knows nothing of bytes, codecs or
+ranks; gathering the values (``flat[indices]``) and sending them is someone else's job.
+
+Amount of sparsity. Every sparsifier except ``threshold`` is told how many elements to keep,
+by exactly one of
+
+* ``density`` in (0, 1]: keep ``k = max(1, round(density * numel))`` elements, or
+* ``k`` >= 1: keep ``min(k, numel)`` elements.
+
+``threshold`` is told a magnitude instead and keeps a variable number of elements.
+
+Non-finite inputs: the selection never checks for them. NaN compares false, so threshold-based
+selection (``threshold``, ``sampled-topk``, ``gaussian-k``) never keeps a NaN (but ``±inf``
+passes any threshold); ``topk`` ranks NaN above everything and may keep it; the random
+sparsifiers ignore values altogether. Callers check gradients for NaN/Inf before sparsifying.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from ..errors import check_choice
+
+
+class Sparsifier(ABC):
+    """Choose which positions of a flat gradient to keep.
+
+    Subclasses take their options as keyword-only ``__init__`` arguments, validate them there
+    (``ValueError`` naming the option and what is allowed) and keep each under the same
+    attribute name, so :meth:`get_config` can read them back.
+    """
+
+    #: Registry name, e.g. ``"topk"``.
+    name: ClassVar[str]
+    #: True when the chosen positions depend only on ``(seed, step, tensor_id, numel, k)`` and
+    #: never on the values: every rank then picks the same positions and a plain AllReduce of
+    #: the gathered values is correct.
+    shared_support: ClassVar[bool] = False
+
+    def select(self, flat: torch.Tensor, *, step: int = 0, tensor_id: int = 0) -> torch.Tensor:
+        """Positions to keep.
+
+        ``flat``: 1-D floating tensor (any float dtype, any device), shape (numel,).
+        ``step`` / ``tensor_id``: which training step and which tensor this is; they seed the
+        sparsifiers that use randomness, so that all ranks agree and each step differs.
+        Returns int64 indices, shape (count,), strictly ascending, in ``[0, numel)``, on
+        ``flat``'s device; ``count`` lies within :meth:`count_bounds`.
+        """
+        if flat.dim() != 1:
+            raise ValueError(f"flat must be a 1-D tensor, got shape {tuple(flat.shape)}")
+        if not flat.is_floating_point():
+            raise ValueError(f"flat must be a floating-point tensor, got {flat.dtype}")
+        if flat.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64, device=flat.device)
+        return self._select(flat, step=step, tensor_id=tensor_id)
+
+    @abstractmethod
+    def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
+        """:meth:`select` for a validated, non-empty ``flat``."""
+
+    @abstractmethod
+    def target_k(self, numel: int) -> int | None:
+        """How many of ``numel`` elements this sparsifier aims to keep (None: no target)."""
+
+    @abstractmethod
+    def count_bounds(self, numel: int) -> tuple[int, int]:
+        """``(fewest, most)`` elements :meth:`select` may return for a tensor of ``numel``.
+
+        The most is what a receiver must be ready for (e.g. the size of an all-gather buffer).
+        """
+
+    @classmethod
+    def parameter_names(cls) -> tuple[str, ...]:
+        """The keyword options ``__init__`` accepts."""
+        signature = inspect.signature(cls.__init__)
+        return tuple(
+            name
+            for name, parameter in signature.parameters.items()
+            if name != "self" and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        """``{"id": name, **options}``: plain Python values, JSON-serializable."""
+        config: dict[str, Any] = {"id": self.name}
+        for parameter in self.parameter_names():
+            config[parameter] = getattr(self, parameter)
+        return config
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((key, repr(value)) for key, value in self.get_config().items())))
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{key}={value!r}" for key, value in self.get_config().items() if key != "id")
+        return f"{type(self).__name__}({options})"
+
+
+class BudgetSparsifier(Sparsifier):
+    """A sparsifier told how many elements to keep: exactly one of ``density`` or ``k``.
+
+    Subclasses implement :meth:`_select_k`, called only with ``1 <= k < numel``; selecting
+    everything (``k == numel``) is answered here with ``arange(numel)``.
+    """
+
+    #: Allowed relative deviation of the returned count from ``k``: 0 means exactly ``k``.
+    tolerance: float = 0.0
+
+    def __init__(self, *, density: float | None = None, k: int | None = None, seed: int = 0) -> None:
+        if (density is None) == (k is None):
+            raise ValueError(f"{self.name} needs exactly one of density or k (got density={density!r}, k={k!r})")
+        if density is not None and not (
+            isinstance(density, (int, float)) and not isinstance(density, bool) and 0.0 < density <= 1.0
+        ):
+            raise ValueError(f"density={density!r} must be in (0, 1]")
+        if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+            raise ValueError(f"k={k!r} must be an integer >= 1")
+        self.density = None if density is None else float(density)
+        self.k = k
+        self.seed = check_seed(seed)
+
+    def target_k(self, numel: int) -> int:
+        """``max(1, round(density * numel))`` or ``k``, capped at ``numel``; 0 when ``numel`` is 0."""
+        if numel <= 0:
+            return 0
+        if self.k is not None:
+            return min(self.k, numel)
+        return min(numel, max(1, round(self.density * numel)))  # type: ignore[operator]
+
+    def count_bounds(self, numel: int) -> tuple[int, int]:
+        k = self.target_k(numel)
+        if k == 0:
+            return 0, 0
+        fewest = max(1, math.ceil(k * (1.0 - self.tolerance)))
+        most = min(numel, max(fewest, math.floor(k * (1.0 + self.tolerance))))
+        return fewest, most
+
+    def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
+        k = self.target_k(flat.numel())
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+        return self._select_k(flat, k, step=step, tensor_id=tensor_id)
+
+    @abstractmethod
+    def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
+        """Indices of about ``k`` (within :meth:`count_bounds`) elements, ``1 <= k < numel``."""
+
+
+def check_seed(seed: int) -> int:
+    """Validate a seed option (a non-negative int) and return it."""
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+        raise ValueError(f"seed={seed!r} must be an integer >= 0")
+    return seed
+
+
+_S = TypeVar("_S", bound=type[Sparsifier])
+_SPARSIFIERS: dict[str, type[Sparsifier]] = {}
+
+
+def register_sparsifier(cls: _S) -> _S:
+    """Class decorator: make ``cls`` available to :func:`get_sparsifier` by ``cls.name``."""
+    existing = _SPARSIFIERS.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"sparsifier name {cls.name!r} is taken by {existing.__qualname__}")
+    _SPARSIFIERS[cls.name] = cls
+    return cls
+
+
+def sparsifier_classes() -> dict[str, type[Sparsifier]]:
+    """Registered sparsifier classes by name."""
+    return dict(_SPARSIFIERS)
+
+
+def get_sparsifier(
+    name: str,
+    *,
+    density: float | None = None,
+    k: int | None = None,
+    threshold: float | None = None,
+    seed: int = 0,
+    **options: Any,
+) -> Sparsifier:
+    """A sparsifier by registry name, e.g. ``get_sparsifier("topk", density=0.01)``.
+
+    ``density``/``k``/``threshold`` are passed on only when given, so a sparsifier that does
+    not take one (``threshold`` takes no density; ``topk`` takes no threshold) rejects it with a
+    ``ValueError`` naming the option and what the sparsifier accepts.
+    """
+    check_choice("sparsifier", name, sorted(_SPARSIFIERS))
+    cls = _SPARSIFIERS[name]
+    given = {"density": density, "k": k, "threshold": threshold}
+    params = {key: value for key, value in given.items() if value is not None}
+    params.update(options)
+    params["seed"] = seed
+    allowed = cls.parameter_names()
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"sparsifier {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}"
+        )
+    return cls(**params)

@@ -1,0 +1,85 @@
+"""``threshold``: keep every element with ``|x| >= threshold`` (hard threshold, variable count).
+
+Sahu et al. (2021) show a fixed hard threshold minimises the total error under error feedback;
+its count varies from step to step, so the exchange must cope with a variable size.
+
+:func:`indices_at_or_above` is also the scan behind ``sampled-topk`` and ``gaussian-k``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Sparsifier, check_seed, register_sparsifier
+
+#: Elements per pass on the CPU. A full-size ``abs`` temporary of a large tensor costs more in
+#: fresh page faults (~70 ms per 64 MB measured here) than the arithmetic itself; one 4 Mi-element
+#: buffer reused across chunks stays in the last-level cache. Smaller chunks (1 Mi) were as fast
+#: on an idle machine but slower under load: each chunk is a few multi-threaded ops, and every
+#: op waits for all threads to be scheduled.
+CPU_CHUNK_NUMEL = 1 << 22
+
+
+def representable_at_least(threshold: float, dtype: torch.dtype) -> float:
+    """The smallest value of ``dtype`` that is ``>= threshold`` (may be ``inf``), as a float.
+
+    Comparing a float16 tensor with a Python float rounds the float to float16, possibly
+    downwards; comparing with this value instead makes ``|x| >= threshold`` exact for every ``x``
+    of ``dtype``.
+    """
+    exact = torch.tensor(threshold, dtype=torch.float64)
+    rounded = exact.to(dtype)
+    if rounded.double() < exact:
+        rounded = torch.nextafter(rounded, torch.tensor(math.inf, dtype=dtype))
+    return float(rounded)
+
+
+def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Ascending int64 positions ``i`` of ``flat`` (1-D, float) where ``|flat[i]| >= threshold``.
+
+    Exact in ``flat``'s dtype (see :func:`representable_at_least`); NaN is never selected. On the
+    CPU the tensor is scanned in cache-sized chunks, elsewhere in one pass.
+    """
+    bound = representable_at_least(threshold, flat.dtype)
+    numel = flat.numel()
+    chunk = CPU_CHUNK_NUMEL if flat.device.type == "cpu" else numel
+    if numel <= chunk:
+        return torch.nonzero(flat.abs() >= bound).view(-1)
+    magnitudes = torch.empty(chunk, dtype=flat.dtype)
+    mask = torch.empty(chunk, dtype=torch.bool)
+    pieces = []
+    for start in range(0, numel, chunk):
+        part = flat[start : start + chunk]
+        size = part.numel()
+        torch.abs(part, out=magnitudes[:size])
+        torch.ge(magnitudes[:size], bound, out=mask[:size])
+        pieces.append(torch.nonzero(mask[:size]).view(-1).add_(start))
+    return torch.cat(pieces)
+
+
+@register_sparsifier
+class Threshold(Sparsifier):
+    """Keep every element with ``|x| >= threshold``; the count ranges from 0 to ``numel``.
+
+    ``threshold`` > 0 is in the gradient's units. ``target_k`` is None (no target).
+    """
+
+    name = "threshold"
+
+    def __init__(self, *, threshold: float | None = None, seed: int = 0) -> None:
+        if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                and math.isfinite(threshold) and threshold > 0):
+            raise ValueError(f"threshold={threshold!r} must be a finite number > 0")
+        self.threshold = float(threshold)
+        self.seed = check_seed(seed)
+
+    def target_k(self, numel: int) -> None:
+        return None
+
+    def count_bounds(self, numel: int) -> tuple[int, int]:
+        return 0, max(0, numel)
+
+    def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
+        return indices_at_or_above(flat, self.threshold)

@@ -1,0 +1,77 @@
+"""topk is the exact largest-magnitude set; sampled-topk and gaussian-k keep a threshold set near k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradwire.sparsify import get_sparsifier
+
+from .contract import random_flat
+
+
+def test_topk_is_the_true_largest_magnitude_set() -> None:
+    flat = random_flat(50_000, seed=3) * torch.linspace(0.1, 3.0, 50_000)
+    for k in (1, 17, 5000, 49_999):
+        indices = get_sparsifier("topk", k=k).select(flat)
+        expected = torch.sort(torch.argsort(flat.abs(), descending=True)[:k]).values
+        assert torch.equal(indices, expected)
+
+
+def test_topk_of_signed_values_uses_magnitude() -> None:
+    flat = torch.tensor([0.5, -9.0, 1.0, 8.0, -0.1])
+    assert get_sparsifier("topk", k=2).select(flat).tolist() == [1, 3]
+
+
+def _is_threshold_set(flat: torch.Tensor, indices: torch.Tensor) -> bool:
+    """Every kept magnitude >= every dropped one (what a threshold selection guarantees)."""
+    kept = torch.zeros(flat.numel(), dtype=torch.bool)
+    kept[indices] = True
+    magnitudes = flat.abs().double()
+    return bool(magnitudes[kept].min() >= magnitudes[~kept].max())
+
+
+@pytest.mark.parametrize("name", ["sampled-topk", "gaussian-k"])
+@pytest.mark.parametrize("shape", ["normal", "heavy-tailed", "mixed-scale", "constant", "mostly-zero", "ties"])
+def test_threshold_search_stays_in_bounds_on_hard_inputs(name: str, shape: str) -> None:
+    numel = 1 << 17
+    base = random_flat(numel, seed=9)
+    flat = {
+        "normal": base,
+        "heavy-tailed": base**5,
+        "mixed-scale": torch.cat([base[: numel // 2] * 1e4, base[numel // 2 :] * 1e-4]),
+        "constant": torch.full((numel,), -0.25),
+        "mostly-zero": torch.where(torch.arange(numel) % 500 == 0, base, torch.zeros(())),
+        "ties": torch.round(base * 2) / 2,
+    }[shape]
+    for density in (0.0005, 0.01, 0.2):
+        sparsifier = get_sparsifier(name, density=density)
+        indices = sparsifier.select(flat, step=1)
+        fewest, most = sparsifier.count_bounds(numel)
+        assert fewest <= indices.numel() <= most, (shape, density, indices.numel())
+        assert _is_threshold_set(flat, indices), (shape, density)
+
+
+def test_sampled_topk_is_deterministic_per_step_and_options_apply() -> None:
+    flat = random_flat(1 << 18, seed=4)
+    sparsifier = get_sparsifier("sampled-topk", density=0.01)
+    assert torch.equal(sparsifier.select(flat, step=5), sparsifier.select(flat, step=5))
+    exact = get_sparsifier("sampled-topk", density=0.01, tolerance=0.0).select(flat)
+    assert exact.numel() == get_sparsifier("topk", density=0.01).target_k(flat.numel())
+    assert torch.equal(exact, get_sparsifier("topk", density=0.01).select(flat))
+    one_try = get_sparsifier("sampled-topk", k=3000, max_tries=1, sample_fraction=0.001, min_sample=16)
+    assert 2400 <= one_try.select(flat).numel() <= 3600
+
+
+def test_small_tensors_get_an_exact_topk() -> None:
+    flat = random_flat(3000, seed=2)  # smaller than min_sample: nothing to sample from
+    for name in ("sampled-topk", "gaussian-k"):
+        indices = get_sparsifier(name, k=30, tolerance=0.0).select(flat)
+        assert torch.equal(indices, get_sparsifier("topk", k=30).select(flat))
+
+
+def test_threshold_search_never_keeps_nan() -> None:
+    flat = random_flat(1 << 16, seed=1)
+    flat[::1000] = float("nan")
+    indices = get_sparsifier("sampled-topk", density=0.01).select(flat)
+    assert not bool(torch.isnan(flat[indices]).any())
