@@ -33,7 +33,6 @@ so step 3-5 become one AllReduce of the selected values (no indices on the wire)
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 

@@ -18,7 +18,6 @@ Codecs know nothing of sparsifiers, ranks or torch.distributed.
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -26,10 +25,11 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
+from ..configurable import Configurable
 from ..errors import check_choice
 
 
-class Codec(ABC):
+class Codec(Configurable, ABC):
     """Parameters, config round-trip, equality and repr shared by every codec.
 
     Subclasses take their parameters as keyword arguments of ``__init__``, validate them there
@@ -45,23 +45,6 @@ class Codec(ABC):
     lossless: ClassVar[bool] = True
 
     @classmethod
-    def parameter_names(cls) -> tuple[str, ...]:
-        """The keyword parameters ``__init__`` accepts."""
-        signature = inspect.signature(cls.__init__)
-        return tuple(
-            name
-            for name, parameter in signature.parameters.items()
-            if name != "self" and parameter.kind is inspect.Parameter.KEYWORD_ONLY
-        )
-
-    def get_config(self) -> dict[str, Any]:
-        """``{"id": name, **parameters}``: plain Python values, JSON-serializable."""
-        config: dict[str, Any] = {"id": self.name}
-        for parameter in self.parameter_names():
-            config[parameter] = getattr(self, parameter)
-        return config
-
-    @classmethod
     def from_config(cls: type[_C], config: dict[str, Any]) -> _C:
         """Rebuild a codec from :meth:`get_config` output."""
         config = dict(config)
@@ -69,16 +52,6 @@ class Codec(ABC):
         if codec_id != cls.name:
             raise ValueError(f"config id {codec_id!r} does not name codec {cls.name!r}")
         return cls(**config)
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted((k, repr(v)) for k, v in self.get_config().items())))
-
-    def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
-        return f"{type(self).__name__}({params})"
 
 
 _C = TypeVar("_C", bound=Codec)

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..tables import format_table
 from .factorize import LayerDecision, factorize
 from .layers import LowRankLSTM, LowRankMultiheadAttention
 
@@ -78,17 +79,6 @@ class Summary:
         return (format_table(headers, lines) + f"\nmodel parameters: {self.model_params_before:,} -> "
                 f"{self.model_params_after:,} ({ratio:.3f}x); MACs per forward of {tuple(self.input_shape)}: "
                 f"{macs_ratio:.3f}x")
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned text columns, numbers (cells starting with a digit) right-aligned."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(cell).rjust(width) if str(cell)[:1].isdigit() else str(cell).ljust(width)
-                         for cell, width in zip(cells, widths)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * width for width in widths]), *map(line, rows)])
 
 
 def summarize(model: nn.Module, example_input: Tensor, factorized: nn.Module | None = None,

@@ -20,17 +20,17 @@ sparsifiers ignore values altogether. Callers check gradients for NaN/Inf before
 
 from __future__ import annotations
 
-import inspect
 import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from ..configurable import Configurable
 from ..errors import check_choice
 
 
-class Sparsifier(ABC):
+class Sparsifier(Configurable, ABC):
     """Choose which positions of a flat gradient to keep.
 
     Subclasses take their options as keyword-only ``__init__`` arguments, validate them there
@@ -76,33 +76,6 @@ class Sparsifier(ABC):
 
         The most is what a receiver must be ready for (e.g. the size of an all-gather buffer).
         """
-
-    @classmethod
-    def parameter_names(cls) -> tuple[str, ...]:
-        """The keyword options ``__init__`` accepts."""
-        signature = inspect.signature(cls.__init__)
-        return tuple(
-            name
-            for name, parameter in signature.parameters.items()
-            if name != "self" and parameter.kind is inspect.Parameter.KEYWORD_ONLY
-        )
-
-    def get_config(self) -> dict[str, Any]:
-        """``{"id": name, **options}``: plain Python values, JSON-serializable."""
-        config: dict[str, Any] = {"id": self.name}
-        for parameter in self.parameter_names():
-            config[parameter] = getattr(self, parameter)
-        return config
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted((key, repr(value)) for key, value in self.get_config().items())))
-
-    def __repr__(self) -> str:
-        options = ", ".join(f"{key}={value!r}" for key, value in self.get_config().items() if key != "id")
-        return f"{type(self).__name__}({options})"
 
 
 class BudgetSparsifier(Sparsifier):

@@ -1,0 +1,42 @@
+"""Options held as attributes, with a config dict that round-trips (numcodecs' convention).
+
+Shared by codecs and sparsifiers: subclasses take keyword-only options in ``__init__`` and keep
+each under the attribute of the same name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+
+class Configurable:
+    #: Registry name, e.g. ``"rice"`` or ``"topk"``.
+    name: ClassVar[str]
+
+    @classmethod
+    def parameter_names(cls) -> tuple[str, ...]:
+        """The keyword-only options ``__init__`` accepts."""
+        signature = inspect.signature(cls.__init__)
+        return tuple(
+            name
+            for name, parameter in signature.parameters.items()
+            if name != "self" and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        """``{"id": name, **options}``: plain Python values, JSON-serializable."""
+        config: dict[str, Any] = {"id": self.name}
+        for parameter in self.parameter_names():
+            config[parameter] = getattr(self, parameter)
+        return config
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((key, repr(value)) for key, value in self.get_config().items())))
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{key}={value!r}" for key, value in self.get_config().items() if key != "id")
+        return f"{type(self).__name__}({options})"
