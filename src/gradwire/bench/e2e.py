@@ -29,7 +29,7 @@ DEFAULT_METHODS = [
     "sampled-topk:density=0.01,values=fp16,indices=rice",
     "randomblock:density=0.01,values=fp16",
     "pufferfish:rank_ratio=0.25,warmup_epochs=0",
-    "pufferfish:rank_ratio=0.25,warmup_epochs=0+randomblock:density=0.05",
+    "pufferfish:rank_ratio=0.25,warmup_epochs=0+sampled-topk:density=0.01,values=fp16,indices=rice",
 ]
 PHASES = ("seconds_forward", "seconds_backward", "seconds_optimizer")
 
