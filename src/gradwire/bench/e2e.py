@@ -31,7 +31,9 @@ DEFAULT_METHODS = [
     "pufferfish:rank_ratio=0.25,warmup_epochs=0",
     "pufferfish:rank_ratio=0.25,warmup_epochs=0+sampled-topk:density=0.01,values=fp16,indices=rice",
 ]
-PHASES = ("seconds_forward", "seconds_backward", "seconds_optimizer")
+#: Stacked in the phase plot; the hook's compress/decompress run inside backward and are shown
+#: apart from the rest of it (communication overlaps backward and is not subtracted).
+PHASES = ("seconds_forward", "seconds_backward", "seconds_compress", "seconds_decompress", "seconds_optimizer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,18 +52,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accuracy-epochs", type=int, default=5)
     parser.add_argument("--accuracy-methods", default="allreduce;topk:density=0.01,values=fp16,indices=rice;"
                         "pufferfish:rank_ratio=0.25,warmup_epochs=1", help="';'-separated specs")
+    parser.add_argument("--report-only", action="store_true", help="rebuild report.md and plots from results.json")
+    parser.add_argument("--accuracy-only", action="store_true", help="skip the timing sweep; only the accuracy runs")
     parser.add_argument("--out", default="bench-out/e2e", metavar="DIR")
     parser.add_argument("--timeout", type=float, default=3000, help="seconds per launch")
 
 
 def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidth: str | None, *,
-            compute_only: bool = False, model: str | None = None, epochs: int = 1, steps: int | None = None,
+            compute_only: bool = False, model: str | None = None, epochs: int = 1, full_epochs: bool = False,
             out: str | None = None, data: str | None = None, warmup_steps: int | None = None) -> list[dict[str, Any]]:
     from ..cli.train import launch
     from ..training import TrainConfig
 
     config = TrainConfig(methods=methods, model=model or args.model, data=data if data is not None else args.data,
-                         epochs=epochs, steps_per_epoch=steps if steps is not None else args.steps + args.warmup_steps,
+                         epochs=epochs, steps_per_epoch=None if full_epochs else args.steps + args.warmup_steps,
                          warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
                          batch_size=args.batch_size, evaluate=model is not None, compute_only=compute_only,
                          out=out, progress=False, synthetic_size=max(256, args.batch_size * workers * 16))
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         methods = ["allreduce", *methods]  # every ratio is to AllReduce of the same run
     bandwidths: list[str | None] = [None] if args.local else [b.strip() for b in args.bandwidths.split(",")]
     worker_counts = [int(w) for w in args.workers.split(",")]
-    if not args.local:
+    if not args.local and not args.accuracy_only and not args.report_only:
         from ..cluster import cluster_available
 
         available, why = cluster_available()
@@ -84,6 +88,18 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"gradwire bench e2e: {why} (or pass --local)")
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    if args.report_only:
+        with open(os.path.join(args.out, "results.json")) as handle:
+            saved = json.load(handle)
+        _write(saved["rows"], saved["accuracy"], args.out)
+        print(f"rewrote {args.out}/report.md and plots from results.json")
+        return 0
+    if args.accuracy_only:
+        args.accuracy, worker_counts = True, []
+        results_path = os.path.join(args.out, "results.json")
+        if os.path.exists(results_path):  # keep an earlier sweep's rows in the report
+            with open(results_path) as handle:
+                rows = json.load(handle)["rows"]
     for workers in worker_counts:
         for bandwidth in bandwidths:
             label = bandwidth or "loopback"
@@ -102,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"== accuracy run: {spec}", flush=True)
             run_out = os.path.join(args.out, "accuracy", _slug(spec))
             summary = _launch([spec], args, 2, None, model="cnn", data="mnist5k", epochs=args.accuracy_epochs,
-                              steps=None, out=run_out, warmup_steps=0)[0]
+                              full_epochs=True, out=run_out, warmup_steps=0)[0]
             summary["metrics_path"] = os.path.join(run_out, f"metrics-{_slug(spec)}.jsonl")
             accuracy.append(summary)
     _write(rows, accuracy, args.out)
@@ -131,6 +147,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def _megabytes(value: float) -> str:
     return "n/a" if value != value else f"{value / 1e6:.3f}"
+
+
+def _wrap_label(method: str) -> str:
+    return method.replace(":", ":\n").replace(",", ",\n").replace("+", "+\n")
+
+
+def _phase(row: dict[str, Any], phase: str) -> float:
+    """Median seconds of ``phase``; backward without the hook's compress and decompress."""
+    def value(key: str) -> float:
+        number = row["phases"].get(key, 0.0) or 0.0
+        return 0.0 if number != number else number
+
+    if phase == "seconds_backward":
+        return max(0.0, value(phase) - value("seconds_compress") - value("seconds_decompress"))
+    return value(phase)
 
 
 def _slug(text: str) -> str:
@@ -173,17 +204,16 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
     names: list[str] = []
     for (workers, link) in sorted({(r["workers"], r["bandwidth"]) for r in rows}):
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
-        labels = [r["method"].replace(",", ",\n").replace("+", "+\n") for r in group]
-        figure, axis = plt.subplots(figsize=(max(6, 1.3 * len(group)), 4.5))
+        labels = [_wrap_label(r["method"]) for r in group]
+        figure, axis = plt.subplots(figsize=(max(7, 1.5 * len(group)), 5.5))
         bottom = [0.0] * len(group)
-        for phase, color in zip(PHASES, ("#4c72b0", "#dd8452", "#55a868")):
-            heights = [r["phases"].get(phase, 0.0) or 0.0 for r in group]
-            heights = [0.0 if h != h else h for h in heights]
+        for phase, color in zip(PHASES, ("#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#55a868")):
+            heights = [_phase(r, phase) for r in group]
             axis.bar(labels, heights, bottom=bottom, label=phase.replace("seconds_", ""), color=color)
             bottom = [b + h for b, h in zip(bottom, heights)]
         axis.axhline(group[0]["floor_seconds"], color="black", linestyle="--", label="compute-only floor")
         axis.set_ylabel("seconds per step (median)")
-        axis.set_title(f"Time per step by phase — {workers} workers, {link} (backward includes the exchange)")
+        axis.set_title(f"Time per step by phase — {workers} workers, {link}\n(backward includes waiting for the exchange)")
         axis.legend(fontsize=8)
         axis.tick_params(axis="x", labelsize=7)
         figure.tight_layout()
@@ -206,7 +236,7 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
                     values.append(0.0 if value != value else value)
                 axis.bar([i + index * width for i in range(len(methods))], values, width, label=f"{workers}w {link}")
             axis.set_xticks([i + width * (len(settings) - 1) / 2 for i in range(len(methods))])
-            axis.set_xticklabels([m.replace(",", ",\n").replace("+", "+\n") for m in methods], fontsize=7)
+            axis.set_xticklabels([_wrap_label(m) for m in methods], fontsize=7)
             axis.set_ylabel(ylabel)
             if metric == "bytes_per_step":
                 axis.set_yscale("log")

@@ -1,0 +1,48 @@
+"""The benchmark commands run end to end on small inputs and write what they promise."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gradwire.cli.main import main
+
+
+def test_bench_codecs_small(tmp_path, capsys) -> None:
+    out = tmp_path / "codecs.json"
+    code = main(["bench", "codecs", "--numel", "65536", "--sources", "synthetic", "--densities", "0.01",
+                 "--index-codecs", "rice,raw", "--value-codecs", "fp16", "--repeats", "1", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    by_codec = {row["codec"]: row for row in rows}
+    assert set(by_codec) == {"rice", "raw", "fp16"}
+    assert by_codec["raw"]["bits_per_index"] == pytest.approx(32.0, abs=0.1)
+    assert by_codec["rice"]["ratio_to_bound"] < 1.05
+    assert by_codec["fp16"]["bits_per_value"] == 16.0
+    assert "rice" in capsys.readouterr().out
+
+
+def test_bench_codecs_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="--index-codecs: unknown nope"):
+        main(["bench", "codecs", "--index-codecs", "nope", "--sources", "synthetic"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_bench_e2e_local_writes_report_and_plots(tmp_path) -> None:
+    out = tmp_path / "e2e"
+    code = main(["bench", "e2e", "--local", "--model", "cnn", "--data", "digits", "--workers", "2",
+                 "--steps", "2", "--warmup-steps", "1", "--batch-size", "16", "--method", "allreduce",
+                 "--method", "topk:density=0.05,values=fp16,indices=rice", "--out", str(out), "--timeout", "200"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [row["method"] for row in results["rows"]] == ["allreduce", "topk:density=0.05,values=fp16,indices=rice"]
+    for row in results["rows"]:
+        assert row["floor_seconds"] > 0 and not math.isnan(row["communication_overhead"])
+    assert results["rows"][0]["ratio_to_allreduce"] == 1.0
+    report = (out / "report.md").read_text()
+    assert "2 workers, loopback" in report
+    for name in ("phases-2w-loopback.png", "speedup.png", "bytes.png"):
+        assert (out / name).stat().st_size > 1000 and name in report
