@@ -174,7 +174,7 @@ def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
     plots = _plots(rows, accuracy, out)
     lines = ["# gradwire bench e2e", "", "Ratios are to AllReduce in the same run; overhead is step time over the",
              "compute-only floor (forward+backward under no_sync) minus one.", ""]
-    for (workers, link) in sorted({(r["workers"], r["bandwidth"]) for r in rows}):
+    for (workers, link) in dict.fromkeys((r["workers"], r["bandwidth"]) for r in rows):
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
         lines += [f"## {workers} workers, {link} (floor {group[0]['floor_seconds']:.3f} s/step)", "",
                   "| method | s/step | x allreduce | overhead | MB/step | params | status |", "|---|---|---|---|---|---|---|"]
@@ -202,7 +202,7 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
     except ImportError:
         return []
     names: list[str] = []
-    for (workers, link) in sorted({(r["workers"], r["bandwidth"]) for r in rows}):
+    for (workers, link) in dict.fromkeys((r["workers"], r["bandwidth"]) for r in rows):
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
         labels = [_wrap_label(r["method"]) for r in group]
         figure, axis = plt.subplots(figsize=(max(7, 1.5 * len(group)), 5.5))
@@ -223,7 +223,7 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
         names.append(name)
     if rows:
         methods = list(dict.fromkeys(r["method"] for r in rows))
-        settings = sorted({(r["workers"], r["bandwidth"]) for r in rows})
+        settings = list(dict.fromkeys((r["workers"], r["bandwidth"]) for r in rows))  # run order
         for metric, ylabel, fname in (("speedup_vs_allreduce", "speedup vs AllReduce (same run)", "speedup.png"),
                                       ("bytes_per_step", "bytes sent per worker per step", "bytes.png")):
             figure, axis = plt.subplots(figsize=(max(6, 1.2 * len(methods)), 4.5))

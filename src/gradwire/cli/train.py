@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency", default="0.5ms", help="with --cluster: one-way link latency")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before the workers are stopped")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the summaries as JSON")
+    parser.add_argument("--show", default=None, metavar="PATH", help="print the tables of a saved --json file and exit")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -68,6 +69,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.show:
+        with open(args.show) as handle:
+            print_summary(json.load(handle))
+        return 0
     config = config_from_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         summaries = _run_under_torchrun(config)
@@ -189,3 +194,11 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
                      f"{ratio:.2f}", f"{s['bytes_per_step'] / 1e6:.3f}", f"{byte_ratio:.4f}", f"{s['parameters']:,}"])
     print(format_table(["method", "test acc", "final loss", "s/step", "x allreduce", "MB sent/step", "x bytes",
                         "params"], rows))
+    phases = ("forward", "backward", "compress", "communicate", "decompress", "optimizer")
+    print("\nmedian seconds per step by phase (backward includes the hook; communicate overlaps backward)")
+    print(format_table(["method", *phases], [
+        [s["method"], *(_seconds(s["phases"].get(f"seconds_{phase}")) for phase in phases)] for s in summaries]))
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None or value != value else f"{value:.3f}"
