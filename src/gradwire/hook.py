@@ -432,14 +432,9 @@ class CommHookState:
 
     def _decode_from(self, source: int, data: memoryview, group: _Group) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         try:
-            tensors = codec_layer.decode_tensors(data)
+            return codec_layer.decode_tensors(data, expected_numels=[e.grad.numel() for e in group.entries])
         except DecodeError as error:
             raise DecodeError(f"payload from rank {source}: {error}") from error
-        expected = [e.grad.numel() for e in group.entries]
-        if [t[2] for t in tensors] != expected:
-            raise DecodeError(f"payload from rank {source} describes tensors of sizes "
-                              f"{[t[2] for t in tensors][:8]}..., expected {expected[:8]}...")
-        return tensors
 
     # --- results -------------------------------------------------------------------------------
     def _write(self, group: _Group, averaged: torch.Tensor) -> None:

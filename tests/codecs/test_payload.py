@@ -34,6 +34,15 @@ def test_multi_tensor_roundtrip() -> None:
         codecs.decode(_payload(3))
 
 
+def test_expected_sizes_are_checked_before_sections() -> None:
+    payload = _payload(2)
+    assert len(codecs.decode_tensors(payload, expected_numels=[20, 20])) == 2
+    with pytest.raises(gradwire.DecodeError, match="expected"):
+        codecs.decode_tensors(payload, expected_numels=[20, 21])
+    with pytest.raises(gradwire.DecodeError, match="expected"):
+        codecs.decode_tensors(payload, expected_numels=[20])
+
+
 def test_header_is_checked_before_anything() -> None:
     payload = bytearray(_payload(1))
     assert payload[:4] == MAGIC

@@ -179,9 +179,14 @@ def encode_tensors(
     return EncodedPayload(body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)), encoded)
 
 
-def decode_tensors(payload: "bytes | bytearray | memoryview") -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+def decode_tensors(
+    payload: "bytes | bytearray | memoryview", *, expected_numels: "Sequence[int] | None" = None
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """Decode every tensor of a payload into ``(values, indices, numel)`` (CPU tensors).
 
+    ``expected_numels``: when the receiver knows the tensors' sizes (the DDP hook does), the
+    records are checked against them before any section is decoded, so a hostile payload cannot
+    make a decoder allocate for a tensor larger than the receiver's own.
     Raises :class:`DecodeError` on anything but a well-formed payload.
     """
     try:
@@ -201,6 +206,10 @@ def decode_tensors(payload: "bytes | bytearray | memoryview") -> list[tuple[torc
     require(len(body) >= offset + count * _RECORD.size, "truncated tensor records")
     records = [_RECORD.unpack_from(body, offset + i * _RECORD.size) for i in range(count)]
     offset += count * _RECORD.size
+    if expected_numels is not None:
+        sizes = [record[4] for record in records]
+        require(sizes == list(expected_numels),
+                f"payload describes {len(sizes)} tensors of sizes {sizes[:4]}..., expected {list(expected_numels)[:4]}...")
     out = []
     for dtype_code, index_id, value_id, reserved, numel, n_values, index_len, value_len in records:
         require(reserved == 0, "reserved byte is not zero")
