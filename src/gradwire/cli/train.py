@@ -1,7 +1,7 @@
 """``gradwire train``: train a model with one or more methods and print how they compare.
 
 With no options: the small CNN on MNIST-5k over 2 local worker processes, dense AllReduce vs
-top-k 1% with fp16 values and Rice-coded indices, one epoch each. Under ``torchrun`` it runs as
+top-k 1% with fp16 values and Rice-coded indices, three epochs each. Under ``torchrun`` it runs as
 one rank of the job torchrun started (``torchrun --nnodes ... -m gradwire train ...``).
 """
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="mnist5k, digits, synthetic (default: mnist5k for cnn, synthetic otherwise)")
     parser.add_argument("--text", default=None, metavar="PATH", help="a local text file for lstm/transformer (byte-level)")
     parser.add_argument("--workers", type=int, default=2, help="local worker processes (ignored under torchrun)")
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, dest="steps_per_epoch", help="cap on steps per epoch")
     parser.add_argument("--warmup-steps", type=int, default=0, help="steps left out of the per-step medians")
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
