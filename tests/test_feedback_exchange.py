@@ -66,3 +66,12 @@ def test_collectives_are_identity_for_one_rank() -> None:
     tensor = torch.arange(4.0)
     assert torch.equal(allreduce_sum(tensor).wait(), torch.arange(4.0))
     assert [bytes(b) for b in allgather_bytes(b"abc")] == [b"abc"]
+
+
+def test_finite_check_is_exact() -> None:
+    from gradwire.hook import _all_finite
+
+    assert _all_finite(torch.randn(1000))
+    assert _all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the values do not
+    assert not _all_finite(torch.tensor([1.0, float("nan")]))
+    assert not _all_finite(torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16))

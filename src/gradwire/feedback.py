@@ -32,11 +32,9 @@ class ErrorFeedback:
 
     def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` as a new flat tensor (float32/float64) of ``grad.numel()`` elements."""
-        flat = grad.reshape(-1).to(self._accumulation_dtype(grad), copy=True)
+        flat = grad.reshape(-1).to(self._accumulation_dtype(grad))  # no copy when already float32
         residual = self.residuals.get(key)
-        if residual is not None:
-            flat += residual
-        return flat
+        return flat + residual if residual is not None else flat.clone()
 
     def update(self, key: Hashable, compensated: torch.Tensor, indices: torch.Tensor, received: torch.Tensor) -> None:
         """Keep ``compensated - received`` where ``received`` is ``values`` at ``indices`` and zero elsewhere.

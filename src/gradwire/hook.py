@@ -283,12 +283,12 @@ class CommHookState:
             logger.info("gradwire step %d: %s", self.iteration, self.stats())
 
     def _exchange(self, group: _Group) -> None:
-        flat = group.buffers[0] if len(group.buffers) == 1 else torch.cat([b.reshape(-1) for b in group.buffers])
         world = world_size_of(self.process_group)
         element_size = group.buffers[0].element_size()
         self._stats.add("bytes_dense", ring_allreduce_bytes(group.numel, element_size, world))
-        finite = bool(torch.isfinite(flat).all())
+        finite = all(_all_finite(b) for b in group.buffers)
         if self.sparsifier is None or self.iteration < self.warmup_steps or self.collective == "dense":
+            flat = group.buffers[0] if len(group.buffers) == 1 else torch.cat([b.reshape(-1) for b in group.buffers])
             self._dense(group, flat, world, element_size, use_compensated=False)
             return
         if finite or self.shared_support:
@@ -365,7 +365,7 @@ class CommHookState:
                 return
             with self._stats.timer("decode"):
                 averaged = summed[:-1].to(group.entries[0].compensated.dtype) / world
-                out = torch.zeros(group.numel, dtype=averaged.dtype, device=averaged.device)
+                out = _output_buffer(group, averaged.dtype)
                 position = 0
                 for entry in group.entries:
                     k = entry.indices.numel()
@@ -410,7 +410,7 @@ class CommHookState:
             with self._stats.timer("decode"):
                 dtype = group.entries[0].compensated.dtype if group.entries else torch.float32
                 device = group.buffers[0].device
-                out = torch.zeros(group.numel, dtype=dtype, device=device)
+                out = _output_buffer(group, dtype)
                 offsets = torch.tensor([e.offset for e in group.entries], dtype=torch.int64)
                 for source, data in enumerate(payloads):
                     if source == rank:  # our own reconstruction is bit-identical to decoding it
@@ -468,6 +468,22 @@ def _guard(group: _Group, finish: Any, future: torch.futures.Future) -> None:
         for pending in group.futures:
             if not pending.done():
                 pending.set_exception(error)
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf. A plain sum is finite in the common case and costs
+    ~20x less than ``isfinite().all()``; only a non-finite sum (NaN/Inf inside, or an overflow of
+    huge finite values) pays for the exact check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def _output_buffer(group: _Group, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed flat tensor to sum the received gradients into: the bucket's own buffer when
+    there is one of that dtype (every gradient was already copied out by compensation), so
+    the result needs no further copy; else a new one."""
+    if len(group.buffers) == 1 and group.buffers[0].dtype == dtype and group.buffers[0].is_contiguous():
+        return group.buffers[0].view(-1).zero_()
+    return torch.zeros(group.numel, dtype=dtype, device=group.buffers[0].device)
 
 
 def _offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:

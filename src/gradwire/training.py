@@ -46,6 +46,9 @@ class TrainConfig:
     synthetic_size: int = 2048
     evaluate: bool = True
     compute_only: bool = False
+    #: with compute_only: a barrier after every backward, so ranks wait for the slowest as any
+    #: synchronous exchange makes them (the floor a zero-byte exchange would reach)
+    barrier_each_step: bool = False
     out: Optional[str] = None
     progress: bool = True
     bucket_cap_mb: float = 25.0
@@ -221,6 +224,8 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 loss = workload.loss(ddp(inputs), targets)
                 t1 = time.perf_counter()
                 loss.backward()
+            if config.compute_only and config.barrier_each_step:
+                dist.barrier()
             t2 = time.perf_counter()
             optimizer.step()
             t3 = time.perf_counter()

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidth: str | None, *,
-            compute_only: bool = False, model: str | None = None, epochs: int = 1, full_epochs: bool = False,
+            compute_only: bool = False, barrier: bool = False, model: str | None = None, epochs: int = 1, full_epochs: bool = False,
             out: str | None = None, data: str | None = None, warmup_steps: int | None = None) -> list[dict[str, Any]]:
     from ..cli.train import launch
     from ..training import TrainConfig
@@ -68,6 +68,7 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
                          epochs=epochs, steps_per_epoch=None if full_epochs else args.steps + args.warmup_steps,
                          warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
                          batch_size=args.batch_size, evaluate=model is not None, compute_only=compute_only,
+                         barrier_each_step=barrier,
                          out=out, progress=False, synthetic_size=max(256, args.batch_size * workers * 16))
     config.validate()
     cluster = None if bandwidth is None else (bandwidth, args.latency)
@@ -105,10 +106,11 @@ def run(args: argparse.Namespace) -> int:
             label = bandwidth or "loopback"
             print(f"== {workers} workers, {label}: compute-only floor", flush=True)
             floor = _launch(["allreduce"], args, workers, bandwidth, compute_only=True)[0]
+            synced_floor = _launch(["allreduce"], args, workers, bandwidth, compute_only=True, barrier=True)[0]
             print(f"== {workers} workers, {label}: {len(methods)} methods", flush=True)
             for summary in _launch(methods, args, workers, bandwidth):
                 rows.append({"workers": workers, "bandwidth": label, "floor_seconds": floor["seconds_per_step"],
-                             **summary})
+                             "synced_floor_seconds": synced_floor["seconds_per_step"], **summary})
             _normalize(rows)
             _write(rows, [], args.out)
             print_table([r for r in rows if r["workers"] == workers and r["bandwidth"] == label])
@@ -133,6 +135,8 @@ def _normalize(rows: list[dict[str, Any]]) -> None:
         row["ratio_to_allreduce"] = row["seconds_per_step"] / baseline["seconds_per_step"]
         row["speedup_vs_allreduce"] = baseline["seconds_per_step"] / row["seconds_per_step"]
         row["communication_overhead"] = row["seconds_per_step"] / row["floor_seconds"] - 1.0
+        if "synced_floor_seconds" in row:
+            row["overhead_vs_synced_floor"] = row["seconds_per_step"] / row["synced_floor_seconds"] - 1.0
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -142,7 +146,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           f"{100 * r['communication_overhead']:.0f}%", _megabytes(r["bytes_per_step"]), f"{r['parameters']:,}",
           r.get("status", "ok")] for r in rows]))
     if rows:
-        print(f"compute-only floor: {rows[0]['floor_seconds']:.3f} s/step")
+        synced = rows[0].get("synced_floor_seconds")
+        print(f"compute-only floor: {rows[0]['floor_seconds']:.3f} s/step"
+              + (f"; with a barrier per step: {synced:.3f} s/step" if synced else ""))
 
 
 def _megabytes(value: float) -> str:
@@ -176,7 +182,9 @@ def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
              "compute-only floor (forward+backward under no_sync) minus one.", ""]
     for (workers, link) in dict.fromkeys((r["workers"], r["bandwidth"]) for r in rows):
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
-        lines += [f"## {workers} workers, {link} (floor {group[0]['floor_seconds']:.3f} s/step)", "",
+        synced = group[0].get("synced_floor_seconds")
+        floors = f"floor {group[0]['floor_seconds']:.3f} s/step" + (f", with a barrier per step {synced:.3f}" if synced else "")
+        lines += [f"## {workers} workers, {link} ({floors})", "",
                   "| method | s/step | x allreduce | overhead | MB/step | params | status |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['seconds_per_step']:.3f} | {r['ratio_to_allreduce']:.2f} | "
                   f"{100 * r['communication_overhead']:.0f}% | {_megabytes(r['bytes_per_step'])} | {r['parameters']:,} | "
