@@ -40,3 +40,17 @@ class Configurable:
     def __repr__(self) -> str:
         options = ", ".join(f"{key}={value!r}" for key, value in self.get_config().items() if key != "id")
         return f"{type(self).__name__}({options})"
+
+
+def instantiate(kind: str, registry: dict[str, type], name: Any, params: dict[str, Any]) -> Any:
+    """``registry[name](**params)``, with ValueErrors naming ``kind`` and what is allowed for an
+    unknown name or an option the class does not take."""
+    from .errors import check_choice
+
+    check_choice(kind, name, sorted(registry))
+    cls = registry[name]
+    allowed = cls.parameter_names()
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"{kind} {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}")
+    return cls(**params)

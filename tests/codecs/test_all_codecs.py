@@ -21,3 +21,11 @@ def test_lossless_value_codec_contract(name: str) -> None:
     codec = codecs.get_value_codec(name)
     check_config(codec)
     check_value_codec(codec)
+
+
+def test_registries_list_every_codec_the_wire_format_names() -> None:
+    assert codecs.index_codecs() == sorted(
+        ["raw", "delta-varint", "bitmap", "rle", "huffman", "eliasfano", "rice", "zstd", "deflate", "bloom"])
+    assert codecs.value_codecs() == sorted(["fp32", "fp16", "bf16", "zstd", "deflate", "qsgd", "polyfit", "dexp"])
+    wire_ids = [codecs.get_index_codec(name).wire_id for name in codecs.index_codecs()]
+    assert sorted(wire_ids) == list(range(1, 11))

@@ -25,8 +25,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
-from ..configurable import Configurable
-from ..errors import check_choice
+from ..configurable import Configurable, instantiate
 
 
 class Codec(Configurable, ABC):
@@ -159,15 +158,7 @@ def _resolve(kind: str, registry: dict[str, type], spec: Any, params: dict[str, 
         params = {**spec, **params}
     else:
         name = spec
-    check_choice(kind, name, sorted(registry))
-    cls = registry[name]
-    allowed = cls.parameter_names()
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"{kind} {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}"
-        )
-    return cls(**params)
+    return instantiate(kind, registry, name, params)
 
 
 def get_index_codec(spec: "str | dict[str, Any] | IndexCodec", **params: Any) -> IndexCodec:

@@ -26,8 +26,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ..configurable import Configurable
-from ..errors import check_choice
+from ..configurable import Configurable, instantiate
 
 
 class Sparsifier(Configurable, ABC):
@@ -168,16 +167,8 @@ def get_sparsifier(
     not take one (``threshold`` takes no density; ``topk`` takes no threshold) rejects it with a
     ``ValueError`` naming the option and what the sparsifier accepts.
     """
-    check_choice("sparsifier", name, sorted(_SPARSIFIERS))
-    cls = _SPARSIFIERS[name]
     given = {"density": density, "k": k, "threshold": threshold}
     params = {key: value for key, value in given.items() if value is not None}
     params.update(options)
     params["seed"] = seed
-    allowed = cls.parameter_names()
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"sparsifier {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}"
-        )
-    return cls(**params)
+    return instantiate("sparsifier", _SPARSIFIERS, name, params)
