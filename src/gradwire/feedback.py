@@ -19,6 +19,11 @@ from typing import Hashable
 import torch
 
 
+def accumulation_dtype(grad: torch.Tensor) -> torch.dtype:
+    """Residuals and compensated gradients are float32, or float64 for float64 gradients."""
+    return torch.float64 if grad.dtype == torch.float64 else torch.float32
+
+
 class ErrorFeedback:
     """Residual memory per parameter. Residuals are float32 (or float64 for float64 gradients)
     of the parameter's numel, on the gradient's device."""
@@ -26,13 +31,9 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
-    @staticmethod
-    def _accumulation_dtype(grad: torch.Tensor) -> torch.dtype:
-        return torch.float64 if grad.dtype == torch.float64 else torch.float32
-
     def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` as a new flat tensor (float32/float64) of ``grad.numel()`` elements."""
-        flat = grad.reshape(-1).to(self._accumulation_dtype(grad))  # no copy when already float32
+        flat = grad.reshape(-1).to(accumulation_dtype(grad))  # no copy when already float32
         residual = self.residuals.get(key)
         return flat + residual if residual is not None else flat.clone()
 
@@ -72,7 +73,7 @@ class MomentumCorrection(ErrorFeedback):
         self.velocities: dict[Hashable, torch.Tensor] = {}
 
     def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        flat = grad.reshape(-1).to(self._accumulation_dtype(grad), copy=True)
+        flat = grad.reshape(-1).to(accumulation_dtype(grad), copy=True)
         velocity = self.velocities.get(key)
         if velocity is not None:
             flat.add_(velocity, alpha=self.momentum)

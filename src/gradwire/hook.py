@@ -33,6 +33,7 @@ so step 3-5 become one AllReduce of the selected values (no indices on the wire)
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
@@ -44,7 +45,7 @@ from .errors import DecodeError, check_choice
 from .exchange import COLLECTIVES, ByteGather, CostModel, allreduce_sum, check_same_on_all_ranks
 from .exchange.collectives import world_size_of
 from .exchange.cost import ring_allreduce_bytes
-from .feedback import ErrorFeedback, MomentumCorrection
+from .feedback import ErrorFeedback, MomentumCorrection, accumulation_dtype
 from .sparsify import get_sparsifier, select_global, sparsifiers
 from .stats import ExchangeStats
 
@@ -309,8 +310,7 @@ class CommHookState:
                 elif self.feedback is not None:
                     entry.compensated = self.feedback.compensate(entry.key, entry.grad)
                 else:
-                    dtype = torch.float64 if entry.grad.dtype == torch.float64 else torch.float32
-                    entry.compensated = entry.grad.reshape(-1).to(dtype, copy=True)
+                    entry.compensated = entry.grad.reshape(-1).to(accumulation_dtype(entry.grad), copy=True)
             assert self.sparsifier is not None
             if self.scope == "global":
                 selected = select_global(self.sparsifier, [e.compensated for e in group.entries], step=self.iteration)
@@ -494,10 +494,7 @@ def _offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
     return offset
 
 
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
+_now = time.perf_counter
 
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future:

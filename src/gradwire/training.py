@@ -11,6 +11,7 @@ floor that communication overhead is measured against.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -140,7 +141,6 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
 
         def rewrap(factorized: torch.nn.Module) -> DDP:
             new_ddp, new_state = _wrap(factorized, spec, config, device)
-            holder["state_before"] = holder["state"]
             holder["state"] = new_state
             return new_ddp
 
@@ -159,7 +159,7 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     metrics_file = None
     if config.out and rank == 0:
         os.makedirs(config.out, exist_ok=True)
-        metrics_file = open(os.path.join(config.out, f"metrics-{_slug(spec_text)}.jsonl"), "w")
+        metrics_file = open(os.path.join(config.out, f"metrics-{file_slug(spec_text)}.jsonl"), "w")
     bar = None
     if config.progress and rank == 0:
         from tqdm import tqdm
@@ -219,7 +219,7 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            context = ddp.no_sync() if config.compute_only else _null()
+            context = ddp.no_sync() if config.compute_only else contextlib.nullcontext()
             with context:
                 loss = workload.loss(ddp(inputs), targets)
                 t1 = time.perf_counter()
@@ -273,17 +273,11 @@ def _median(values: list[float]) -> float:
     return finite[middle] if len(finite) % 2 else 0.5 * (finite[middle - 1] + finite[middle])
 
 
-def _slug(text: str) -> str:
+def file_slug(text: str) -> str:
+    """``text`` made safe as part of a file name (the method spec in metrics-*.jsonl)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:80]
 
 
 def _json_default(value: Any) -> Any:
     return str(value)
 
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

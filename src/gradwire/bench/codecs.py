@@ -27,7 +27,8 @@ import torch
 
 from .. import codecs
 from ..codecs.base import index_codec_classes, value_codec_classes
-from .table import format_table, progress
+from ..tables import format_table
+from .table import progress
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 

@@ -19,7 +19,8 @@ import math
 import os
 from typing import Any
 
-from .table import format_table
+from ..training import file_slug
+from ..tables import format_table
 
 DEFAULT_METHODS = [
     "allreduce",
@@ -118,10 +119,10 @@ def run(args: argparse.Namespace) -> int:
     if args.accuracy:
         for spec in filter(None, (s.strip() for s in args.accuracy_methods.split(";"))):
             print(f"== accuracy run: {spec}", flush=True)
-            run_out = os.path.join(args.out, "accuracy", _slug(spec))
+            run_out = os.path.join(args.out, "accuracy", file_slug(spec))
             summary = _launch([spec], args, 2, None, model="cnn", data="mnist5k", epochs=args.accuracy_epochs,
                               full_epochs=True, out=run_out, warmup_steps=0)[0]
-            summary["metrics_path"] = os.path.join(run_out, f"metrics-{_slug(spec)}.jsonl")
+            summary["metrics_path"] = os.path.join(run_out, f"metrics-{file_slug(spec)}.jsonl")
             accuracy.append(summary)
     _write(rows, accuracy, args.out)
     print(f"\nwrote {args.out}/report.md, results.json and plots")
@@ -168,10 +169,6 @@ def _phase(row: dict[str, Any], phase: str) -> float:
     if phase == "seconds_backward":
         return max(0.0, value(phase) - value("seconds_compress") - value("seconds_decompress"))
     return value(phase)
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:80]
 
 
 def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from .. import sparsify
-from .table import format_table
+from ..tables import format_table
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 BASELINE = "torch.topk"

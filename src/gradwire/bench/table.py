@@ -1,12 +1,10 @@
-"""Progress bars shared by the benchmarks; tables come from :mod:`gradwire.tables`."""
+"""Progress bars shared by the benchmarks (tables: :mod:`gradwire.tables`)."""
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator
-
-from ..tables import format_table  # noqa: F401  (re-exported for the benchmarks)
 
 
 @contextmanager

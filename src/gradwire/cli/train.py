@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from ..bench.table import format_table
+from ..tables import format_table
 
 _LAUNCHES = itertools.count()
 DEFAULT_METHODS = ["allreduce", "topk:density=0.01,values=fp16,indices=rice"]

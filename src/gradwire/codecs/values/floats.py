@@ -37,6 +37,10 @@ def convert_float(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype)
 
 
+def _raw_bytes(values: torch.Tensor) -> bytes:
+    return values.contiguous().view(torch.uint8).numpy().tobytes() if values.numel() else b""
+
+
 class _CastCodec(ValueCodec):
     wire_dtype: ClassVar[torch.dtype]
 
@@ -44,8 +48,7 @@ class _CastCodec(ValueCodec):
         pass
 
     def encode(self, values: torch.Tensor) -> bytes:
-        cast = convert_float(values, self.wire_dtype).contiguous()
-        return cast.view(torch.uint8).numpy().tobytes() if cast.numel() else b""
+        return _raw_bytes(convert_float(values, self.wire_dtype))
 
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.finfo(self.wire_dtype).bits // 8
@@ -60,8 +63,7 @@ class _CastCodec(ValueCodec):
         lossless_here = torch.finfo(values.dtype).bits <= torch.finfo(self.wire_dtype).bits and (
             values.dtype == self.wire_dtype or self.wire_dtype == torch.float32
         )
-        data = cast.contiguous().view(torch.uint8).numpy().tobytes() if cast.numel() else b""
-        return data, values if lossless_here else convert_float(cast, values.dtype)
+        return _raw_bytes(cast), values if lossless_here else convert_float(cast, values.dtype)
 
 
 @register_value_codec
