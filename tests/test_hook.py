@@ -155,25 +155,35 @@ def test_config_mismatch_fails_fast() -> None:
         run_workers(worker_mismatch, 2, timeout=60, pg_timeout=10)
 
 
-def worker_nonfinite(rank: int, world_size: int, policy: str) -> list[float]:
+def worker_nonfinite(rank: int, world_size: int, policy: str, nan_step: int) -> list[float]:
+    """NaN on rank 1 at ``nan_step``: step 0 is the first (lengths exchanged first), later steps
+    use the one-round frames."""
     model = DDP(_model())
     state = gradwire.CommHookState(compressor="topk", density=0.5, nonfinite=policy, model=model)
     model.register_comm_hook(state, gradwire.comm_hook)
-    inputs, targets = _batch(rank, 0)
-    if rank == 1:
-        inputs[0, 0, 0, 0] = float("nan")
-    try:
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-    except Exception as error:  # DDP wraps errors raised inside the hook
-        assert "NaN or Inf" in str(error), str(error)
-        return [-1.0]
-    assert all(r.abs().sum() == 0 for r in state.feedback.residuals.values())
+    before: dict = {}
+    for step in range(nan_step + 1):
+        model.zero_grad()
+        inputs, targets = _batch(rank, step)
+        if rank == 1 and step == nan_step:
+            inputs[0, 0, 0, 0] = float("nan")
+        if step == nan_step:
+            before = {key: value.clone() for key, value in state.feedback.residuals.items()}
+        try:
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        except Exception as error:  # DDP wraps errors raised inside the hook
+            assert step == nan_step and "NaN or Inf" in str(error), str(error)
+            return [-1.0]
+    # skipped: every rank's memory is as it was before the step
+    assert state.feedback.residuals.keys() == before.keys()
+    assert all(torch.equal(state.feedback.residuals[key], value) for key, value in before.items())
     return [float(p.grad.abs().sum()) for p in model.parameters()]
 
 
+@pytest.mark.parametrize("nan_step", [0, 2])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_nonfinite_gradients(policy: str) -> None:
-    results = run_workers(worker_nonfinite, 2, policy, timeout=60, pg_timeout=10)
+def test_nonfinite_gradients(policy: str, nan_step: int) -> None:
+    results = run_workers(worker_nonfinite, 2, policy, nan_step, timeout=60, pg_timeout=10)
     if policy == "raise":
         assert results == [[-1.0], [-1.0]]
     else:
@@ -248,3 +258,39 @@ def worker_plain(rank: int, world_size: int) -> float:
 def test_error_feedback_telescopes_in_plain_api() -> None:
     for error in run_workers(worker_plain, 2, timeout=90):
         assert error < 1e-12
+
+
+def worker_frames(rank: int, world_size: int) -> tuple[float, dict]:
+    """Payload sizes that jump between steps, differently per rank: after step 0 the payloads
+    travel in frames sized from earlier steps, so a jump overflows them and needs a second
+    round. Error feedback must still telescope exactly (float64, lossless codecs)."""
+    model = _model(dtype=torch.float64)
+    exchange = gradwire.GradientExchange(model, compressor="threshold", threshold=1e-3, value_codec="fp32",
+                                         index_codec="delta-varint", collective="allgather", bucket_cap_mb=0.001)
+    scales = [1e-2, 1.0, 1e-2, 1.0, 30.0, 1.0] if rank == 1 else [1e-2, 1e-2, 1.0, 1.0, 1.0, 30.0]
+    received = [torch.zeros_like(p) for p in model.parameters()]
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for step, scale in enumerate(scales):
+        model.zero_grad()
+        inputs, targets = _batch(rank, step, torch.float64)
+        (scale * torch.nn.functional.cross_entropy(model(inputs), targets)).backward()
+        for parameter, accumulated in zip(model.parameters(), total):
+            every = [torch.empty_like(parameter.grad) for _ in range(world_size)]
+            dist.all_gather(every, parameter.grad.clone())
+            accumulated += sum(every) / world_size
+        exchange.synchronize()
+        for parameter, accumulated in zip(model.parameters(), received):
+            accumulated += parameter.grad
+    error = 0.0
+    for parameter, got, want in zip(model.parameters(), received, total):
+        residual = exchange.state.feedback.residuals[id(parameter)].reshape(parameter.shape).clone()
+        dist.all_reduce(residual)
+        error = max(error, float((got + residual / world_size - want).abs().max()))
+    return error, exchange.stats()
+
+
+def test_frames_overflow_and_error_feedback_stays_exact() -> None:
+    for error, stats in run_workers(worker_frames, 2, timeout=90):
+        assert error < 1e-12
+        assert stats["step"] == 6
+        assert stats.get("count_frame_overflows", 0) >= 1, stats

@@ -20,11 +20,14 @@ The path of one bucket (layer scope, per-rank supports):
 2. the sparsifier selects positions of ``compensated`` (per parameter, or once over all
    buckets of the iteration for ``scope="global"``);
 3. all parameters' (values, indices) are encoded into one payload (value and index codecs);
-4. ranks exchange payload lengths; with ``collective="auto"`` the cost model compares the padded
-   AllGather against a dense AllReduce on exactly those lengths (every rank decides the same);
-5. the AllGather runs asynchronously; its callback decodes every rank's payload, sums in rank
-   order (so all ranks get bit-identical results), divides by the world size, and stores
-   ``residual = compensated - what was received``.
+4. the first time a bucket layout is seen, ranks exchange payload lengths (blocking; with
+   ``collective="auto"`` the cost model compares the padded AllGather against a dense
+   AllReduce on exactly those lengths, so every rank decides the same) and then the payloads;
+   from then on one AllGather of fixed-size frames (length + payload, sized from the lengths
+   seen so far, so identical on all ranks) carries both and backward never waits for it. A
+   payload that outgrows its frame sends the rest in a second round at the step's last bucket;
+5. the AllGather's callback decodes every rank's payload, sums in rank order (so all ranks get
+   bit-identical results) and stores ``residual = compensated - what was received``.
 
 Shared-support sparsifiers (``randomk``, ``randomblock``) pick the same positions on every rank,
 so step 3-5 become one AllReduce of the selected values (no indices on the wire).
@@ -33,6 +36,7 @@ so step 3-5 become one AllReduce of the selected values (no indices on the wire)
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
@@ -42,7 +46,16 @@ import torch.distributed as dist
 
 from . import codecs as codec_layer
 from .errors import DecodeError, check_choice
-from .exchange import COLLECTIVES, ByteGather, CostModel, allreduce_sum, check_same_on_all_ranks
+from .exchange import (
+    COLLECTIVES,
+    FRAME_HEADER_BYTES,
+    ByteGather,
+    CostModel,
+    allreduce_sum,
+    check_same_on_all_ranks,
+    gather_frames,
+    gather_overflow,
+)
 from .exchange.collectives import world_size_of
 from .exchange.cost import ring_allreduce_bytes
 from .feedback import ErrorFeedback, MomentumCorrection, accumulation_dtype
@@ -55,6 +68,12 @@ SCOPES = ("layer", "global")
 NONFINITE_POLICIES = ("raise", "skip")
 #: Value codecs an AllReduce of values can apply (a cast); others need the AllGather path.
 CAST_VALUE_CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: Frame size for a group of buckets, relative to the longest payload seen: room for ordinary
+#: step-to-step variation (sampled top-k's count alone varies by up to 20% per tensor).
+FRAME_HEADROOM = 0.1
+FRAME_SLACK_BYTES = 64
+#: An oversized frame shrinks by this factor per step toward its payloads.
+FRAME_SHRINK = 0.95
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -84,6 +103,23 @@ class _Group:
     @property
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers)
+
+    def signature(self) -> tuple[int, ...]:
+        """Identifies the group's layout across steps (DDP's buckets change after step one)."""
+        return (self.numel, *(e.tensor_id for e in self.entries))
+
+
+@dataclass
+class _FramedGather:
+    """A group's one-round AllGather in flight, and what finishing it may still need."""
+
+    group: _Group
+    payload: bytes
+    capacity: int
+    encoded: Any
+    done: Optional[torch.futures.Future] = None
+    #: (lengths, heads) when some rank's payload did not fit: the rest is fetched at step end.
+    overflow: Optional[tuple[list[int], list[memoryview]]] = None
 
 
 class CommHookState:
@@ -181,6 +217,10 @@ class CommHookState:
         self._stats = ExchangeStats()
         self._checked = False
         self._pending: Optional[_Group] = None
+        #: Agreed frame size per group layout; identical on all ranks because it is derived
+        #: only from lengths every rank has seen.
+        self._frame_capacity: dict[tuple[int, ...], int] = {}
+        self._framed: list[_FramedGather] = []
         self._names: dict[Hashable, str] = {}
         self._param_index: dict[Hashable, int] = {}
         if model is not None:
@@ -231,6 +271,7 @@ class CommHookState:
         if unknown:
             raise ValueError(f"checkpoint names parameters this model lacks: {', '.join(unknown[:5])}")
         self.iteration = int(state["iteration"])
+        self._frame_capacity, self._framed = {}, []  # every rank restarts from the same point
         if self.feedback is not None:
             self.feedback.residuals = {keys[n]: t.to(device).clone() for n, t in state.get("residuals", {}).items()}
             if isinstance(self.feedback, MomentumCorrection):
@@ -241,6 +282,8 @@ class CommHookState:
         state = dict(self.__dict__)
         state["process_group"] = None
         state["_pending"] = None
+        state["_framed"] = []
+        state["_frame_capacity"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -274,6 +317,7 @@ class CommHookState:
                 if not pending.done():
                     pending.set_exception(error)
         if is_last:
+            self._settle_frames()
             self._end_step()
         return future
 
@@ -321,13 +365,14 @@ class CommHookState:
                 entry.indices = indices
 
     # --- dense AllReduce (warm-up, "none", fallback of auto) ---------------------------------
-    def _dense(self, group: _Group, flat: torch.Tensor, world: int, element_size: int, use_compensated: bool) -> None:
+    def _dense(self, group: _Group, flat: torch.Tensor, world: int, element_size: int, use_compensated: bool,
+               finite: bool = True) -> None:
         if use_compensated:  # fallback after selection: send everything, nothing stays behind
             flat = torch.zeros(group.numel, dtype=group.entries[0].compensated.dtype, device=flat.device)
             for entry in group.entries:
                 flat[entry.offset: entry.offset + entry.grad.numel()] = entry.compensated
-                if self.feedback is not None:
-                    self.feedback.clear(entry.key)
+            if not finite:  # compensated holds zeros here: a NaN tells every rank, through the sum
+                flat[0] = math.nan
         self._stats.add("bytes_sent", ring_allreduce_bytes(group.numel, element_size, world))
         self._stats.add("count_dense_buckets", 1)
         start = _now()
@@ -336,9 +381,12 @@ class CommHookState:
         def finish(future: torch.futures.Future) -> None:
             summed = future.value()
             self._stats.add("seconds_communicate", _now() - start)
-            if not bool(torch.isfinite(summed).all()):
+            if not _all_finite(summed):
                 self._resolve_nonfinite(group)
                 return
+            if use_compensated and self.feedback is not None:
+                for entry in group.entries:
+                    self.feedback.clear(entry.key)
             summed.div_(world)
             self._write(group, summed)
 
@@ -380,6 +428,9 @@ class CommHookState:
 
     # --- AllGather of encoded payloads --------------------------------------------------------
     def _allgather(self, group: _Group, world: int, element_size: int, finite: bool) -> None:
+        """Exchange encoded payloads. A group layout seen for the first time exchanges lengths
+        first (blocking); from then on one AllGather of frames sized from the lengths seen so
+        far carries length and payload together, so backward never waits here."""
         encoded = None
         if finite:
             with self._stats.timer("encode"):
@@ -388,7 +439,17 @@ class CommHookState:
                     self.index_codec, self.value_codec, check=False,
                     dense=[e.compensated for e in group.entries],
                 )
-        gather = ByteGather(encoded.payload if encoded else b"", self.process_group, valid=finite)
+        payload = encoded.payload if encoded else b""
+        signature = group.signature()
+        capacity = self._frame_capacity.get(signature) if world > 1 else None
+        if capacity is None:
+            self._allgather_measured(group, world, element_size, finite, encoded, payload, signature)
+        else:
+            self._allgather_framed(group, world, element_size, finite, encoded, payload, signature, capacity)
+
+    def _allgather_measured(self, group: _Group, world: int, element_size: int, finite: bool, encoded: Any,
+                            payload: bytes, signature: tuple[int, ...]) -> None:
+        gather = ByteGather(payload, self.process_group, valid=finite)
         start = _now()
         lengths = gather.lengths()
         if min(lengths) < 0:
@@ -400,35 +461,105 @@ class CommHookState:
             self._stats.add("bytes_sent", 8.0 * (world - 1))
             self._dense(group, group.buffers[0], world, element_size, use_compensated=True)
             return
+        self._learn_frame(signature, lengths)
         self._stats.add("bytes_sent", 8.0 * (world - 1) + (world - 1) * max(lengths))
         self._stats.add("count_allgather_buckets", 1)
-        rank = dist.get_rank(self.process_group) if world > 1 else 0
 
         def finish(future: torch.futures.Future) -> None:
-            payloads = future.value()
             self._stats.add("seconds_communicate", _now() - start)
-            with self._stats.timer("decode"):
-                dtype = group.entries[0].compensated.dtype if group.entries else torch.float32
-                device = group.buffers[0].device
-                out = _output_buffer(group, dtype)
-                offsets = torch.tensor([e.offset for e in group.entries], dtype=torch.int64)
-                for source, data in enumerate(payloads):
-                    if source == rank:  # our own reconstruction is bit-identical to decoding it
-                        tensors = [(t.values, t.indices, t.numel) for t in encoded.tensors]
-                    else:
-                        tensors = self._decode_from(source, data, group)
-                    lengths_k = torch.tensor([t[1].numel() for t in tensors], dtype=torch.int64)
-                    positions = torch.cat([t[1] for t in tensors]) + torch.repeat_interleave(offsets, lengths_k)
-                    values = torch.cat([t[0] for t in tensors]).to(dtype)
-                    out.index_add_(0, positions.to(device), values.to(device))
-                out.div_(world)
-                if self.feedback is not None:
-                    for entry, sent in zip(group.entries, encoded.tensors):
-                        self.feedback.update(entry.key, entry.compensated, sent.indices.to(device),
-                                             sent.values.to(device))
-                self._write(group, out)
+            self._combine(group, future.value(), encoded, world)
 
         gather.start().add_done_callback(lambda f: _guard(group, finish, f))
+
+    def _allgather_framed(self, group: _Group, world: int, element_size: int, finite: bool, encoded: Any,
+                          payload: bytes, signature: tuple[int, ...], capacity: int) -> None:
+        frame_bytes = FRAME_HEADER_BYTES + capacity
+        if self.collective == "auto" and not CostModel(world).prefer_allgather(frame_bytes, group.numel, element_size,
+                                                                                rounds=1):
+            # every rank holds the same capacity, so every rank falls back together; forgetting
+            # it makes the next step measure again instead of staying dense for good
+            del self._frame_capacity[signature]
+            self._dense(group, group.buffers[0], world, element_size, use_compensated=True, finite=finite)
+            return
+        self._stats.add("bytes_sent", float((world - 1) * frame_bytes))
+        self._stats.add("count_allgather_buckets", 1)
+        record = _FramedGather(group, payload, capacity, encoded)
+        start = _now()
+
+        def finish(future: torch.futures.Future) -> None:
+            lengths, heads = future.value()
+            self._stats.add("seconds_communicate", _now() - start)
+            if min(lengths) < 0:
+                self._resolve_nonfinite(group)
+                return
+            self._learn_frame(signature, lengths)
+            if max(lengths) > capacity:
+                record.overflow = (lengths, heads)  # a collective may not start here: see _settle_frames
+                return
+            self._combine(group, heads, encoded, world)
+
+        frames = gather_frames(payload, capacity, self.process_group, valid=finite)
+        record.done = frames.then(lambda f: _guard(group, finish, f))
+        self._framed.append(record)
+
+    def _learn_frame(self, signature: tuple[int, ...], lengths: Sequence[int]) -> None:
+        """Next frame size for this layout, from lengths every rank has seen (so all agree)."""
+        wanted = math.ceil(max(lengths) * (1.0 + FRAME_HEADROOM)) + FRAME_SLACK_BYTES
+        current = self._frame_capacity.get(signature)
+        if current is not None and wanted < current:
+            wanted = max(wanted, int(current * FRAME_SHRINK))
+        self._frame_capacity[signature] = wanted
+
+    def _settle_frames(self) -> None:
+        """At the step's last bucket: wait for this step's frames and fetch what did not fit.
+
+        Completion callbacks run on the backend's threads in no agreed order, so they must not
+        start collectives; the main thread does it here, in launch order, and every rank runs
+        the same second rounds because every rank saw the same lengths.
+        """
+        records, self._framed = self._framed, []
+        world = world_size_of(self.process_group)
+        for record in records:
+            assert record.done is not None
+            record.done.wait()
+            if record.overflow is None:
+                continue
+            lengths, heads = record.overflow
+            try:
+                start = _now()
+                tails = gather_overflow(record.payload, record.capacity, lengths, self.process_group)
+                self._stats.add("seconds_communicate", _now() - start)
+                self._stats.add("bytes_sent", float((world - 1) * (max(lengths) - record.capacity)))
+                self._stats.add("count_frame_overflows", 1)
+                payloads = [memoryview(bytes(head) + bytes(tail)) for head, tail in zip(heads, tails)]
+                self._combine(record.group, payloads, record.encoded, world)
+            except BaseException as error:
+                _fail(record.group, error)
+
+    def _combine(self, group: _Group, payloads: Sequence[memoryview], encoded: Any, world: int) -> None:
+        """Decode every rank's payload, average into the group's buffers (summing in rank order, so
+        every rank gets the same bits), keep the residuals and resolve the futures."""
+        rank = dist.get_rank(self.process_group) if world > 1 else 0
+        with self._stats.timer("decode"):
+            dtype = group.entries[0].compensated.dtype if group.entries else torch.float32
+            device = group.buffers[0].device
+            out = _output_buffer(group, dtype)
+            offsets = torch.tensor([e.offset for e in group.entries], dtype=torch.int64)
+            for source, data in enumerate(payloads):
+                if source == rank:  # our own reconstruction is bit-identical to decoding it
+                    tensors = [(t.values, t.indices, t.numel) for t in encoded.tensors]
+                else:
+                    tensors = self._decode_from(source, data, group)
+                counts = torch.tensor([t[1].numel() for t in tensors], dtype=torch.int64)
+                positions = torch.cat([t[1] for t in tensors]) + torch.repeat_interleave(offsets, counts)
+                values = torch.cat([t[0] for t in tensors]).to(dtype)
+                if world > 1:  # divide the few sent values, not the whole buffer afterwards
+                    values = values.div_(world)
+                out.index_add_(0, positions.to(device), values.to(device))
+            if self.feedback is not None:
+                for entry, sent in zip(group.entries, encoded.tensors):
+                    self.feedback.update(entry.key, entry.compensated, sent.indices.to(device), sent.values.to(device))
+            self._write(group, out)
 
     def _decode_from(self, source: int, data: memoryview, group: _Group) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         try:
@@ -465,9 +596,13 @@ def _guard(group: _Group, finish: Any, future: torch.futures.Future) -> None:
         future.value()  # re-raises a communication error
         finish(future)
     except BaseException as error:  # surfaces in backward() on every rank
-        for pending in group.futures:
-            if not pending.done():
-                pending.set_exception(error)
+        _fail(group, error)
+
+
+def _fail(group: _Group, error: BaseException) -> None:
+    for pending in group.futures:
+        if not pending.done():
+            pending.set_exception(error)
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:

@@ -18,6 +18,46 @@ def test_topk_is_the_true_largest_magnitude_set() -> None:
         assert torch.equal(indices, expected)
 
 
+@pytest.mark.parametrize("shape", ["normal", "heavy-tailed", "ties", "mostly-zero", "periodic", "on-sample", "nan", "inf",
+                                   "constant"])
+@pytest.mark.parametrize("density", [0.0001, 0.01, 0.09])
+def test_topk_scan_path_is_exact_on_large_tensors(shape: str, density: float) -> None:
+    """Large tensors go through the sampled-threshold scan; the result must still be the top-k."""
+    numel = (1 << 18) + 7
+    base = random_flat(numel, seed=21)
+    positions = torch.arange(numel)
+    flat = {
+        "normal": base,
+        "heavy-tailed": base**5,
+        "ties": torch.round(base * 2) / 2,
+        "mostly-zero": torch.where(positions % 700 == 0, base, torch.zeros(())),
+        # the large values sit between the evenly spaced sample points: the sample sees none
+        "periodic": torch.where(positions % 32 == 5, base * 100, base * 1e-3),
+        # the large values sit exactly on the sample points: the threshold is too high and too
+        # few candidates pass, so the search must lower it and rescan
+        "on-sample": torch.where(positions % 32 == 0, base * 100, base * 1e-3),
+        "nan": torch.where(positions % 1000 == 3, torch.tensor(float("nan")), base),
+        "inf": torch.where(positions % 5000 == 3, torch.tensor(float("inf")), base),
+        "constant": torch.full((numel,), -0.5),
+    }[shape]
+    sparsifier = get_sparsifier("topk", density=density)
+    k = sparsifier.target_k(numel)
+    indices = sparsifier.select(flat)
+    assert indices.numel() == k
+    assert bool((indices[1:] > indices[:-1]).all())
+    magnitudes = flat.abs().nan_to_num(nan=-1.0)
+    expected = torch.sort(magnitudes, descending=True).values[:k]
+    assert torch.equal(torch.sort(magnitudes[indices], descending=True).values, expected)
+    if shape in ("normal", "heavy-tailed"):  # distinct values: the positions themselves are determined
+        assert torch.equal(indices, torch.sort(torch.topk(magnitudes, k).indices).values)
+
+
+def test_topk_keeps_nan_only_when_short_of_numbers() -> None:
+    flat = torch.tensor([float("nan"), 1.0, -3.0, float("nan"), 2.0])
+    assert get_sparsifier("topk", k=2).select(flat).tolist() == [2, 4]
+    assert get_sparsifier("topk", k=4).select(flat).numel() == 4
+
+
 def test_topk_of_signed_values_uses_magnitude() -> None:
     flat = torch.tensor([0.5, -9.0, 1.0, 8.0, -0.1])
     assert get_sparsifier("topk", k=2).select(flat).tolist() == [1, 3]

@@ -4,21 +4,27 @@ Knows nothing of sparsifiers or codecs: it moves tensors and byte strings betwee
 """
 
 from .collectives import (
+    FRAME_HEADER_BYTES,
     ByteGather,
     allgather_bytes,
     allreduce_sum,
     check_same_on_all_ranks,
     communication_device,
+    gather_frames,
+    gather_overflow,
 )
 from .cost import COLLECTIVES, CostModel, ring_allreduce_bytes
 
 __all__ = [
     "COLLECTIVES",
+    "FRAME_HEADER_BYTES",
     "ByteGather",
     "CostModel",
     "allgather_bytes",
     "allreduce_sum",
     "check_same_on_all_ranks",
     "communication_device",
+    "gather_frames",
+    "gather_overflow",
     "ring_allreduce_bytes",
 ]

@@ -1,8 +1,16 @@
 """The collectives gradwire uses, over any torch.distributed backend (gloo on CPU, NCCL on GPU).
 
-Byte strings travel as uint8 tensors: first an AllGather of their lengths (int64), then one
-AllGather of payloads padded to the longest. Nothing is pickled; receivers parse the bytes
-with the codecs' checked decoder.
+Byte strings travel as uint8 tensors, in one of two ways:
+
+* :class:`ByteGather`, two rounds: an AllGather of their lengths (int64, blocking), then one
+  AllGather of payloads padded to the longest. Needs no prior knowledge, but the first round
+  makes every rank wait for the slowest before it can go on.
+* :func:`gather_frames`, one round: every rank sends a frame of a size agreed beforehand
+  (``capacity``), ``[int64 length | payload | zero padding]``. Nothing blocks; a payload longer
+  than the frame sends its first ``capacity`` bytes and :func:`gather_overflow` sends the rest
+  in a second round that every rank, having seen the same lengths, agrees to run.
+
+Nothing is pickled; receivers parse the bytes with the codecs' checked decoder.
 """
 
 from __future__ import annotations
@@ -83,6 +91,71 @@ class ByteGather:
             return [memoryview(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths)]
 
         return work.get_future().then(unpad)
+
+
+#: Bytes of the length field at the start of each frame (int64, little-endian; -1: invalid).
+FRAME_HEADER_BYTES = 8
+
+
+def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGroup] = None, *,
+                  valid: bool = True) -> torch.futures.Future:
+    """Start one AllGather of fixed-size frames (``FRAME_HEADER_BYTES + capacity`` bytes per rank).
+
+    Every rank must pass the same ``capacity``. The Future's value is ``(lengths, heads)``: the
+    payload length of each rank (-1 where ``valid=False``) and a ``memoryview`` of the first
+    ``min(length, capacity)`` bytes of its payload. Where a length exceeds ``capacity`` the
+    rest must be fetched with :func:`gather_overflow`, on every rank, in the same order.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity={capacity} must be >= 0")
+    own = len(payload) if valid else -1
+    world_size = world_size_of(group)
+    if world_size == 1:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(([own], [memoryview(payload if valid else b"")]))
+        return future
+    device = communication_device(group)
+    frame = torch.zeros(FRAME_HEADER_BYTES + capacity, dtype=torch.uint8)
+    frame[:FRAME_HEADER_BYTES] = torch.tensor([own], dtype=torch.int64).view(torch.uint8)
+    head = payload[:capacity] if valid else b""
+    if head:
+        frame[FRAME_HEADER_BYTES: FRAME_HEADER_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    frame = frame.to(device)
+    gathered = [torch.empty_like(frame) for _ in range(world_size)]
+    work = dist.all_gather(gathered, frame, group=group, async_op=True)
+
+    def split(_: Any) -> tuple[list[int], list[memoryview]]:
+        lengths, heads = [], []
+        for received in gathered:
+            array = received.cpu().numpy()
+            length = int(array[:FRAME_HEADER_BYTES].view("<i8")[0])
+            lengths.append(length)
+            kept = min(max(length, 0), capacity)
+            heads.append(memoryview(array)[FRAME_HEADER_BYTES: FRAME_HEADER_BYTES + kept])
+        return lengths, heads
+
+    return work.get_future().then(split)
+
+
+def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
+                    group: Optional[dist.ProcessGroup] = None) -> list[memoryview]:
+    """Blocking second round after :func:`gather_frames`: each rank's bytes beyond ``capacity``
+    (empty where its payload fitted), in rank order. ``lengths`` are the frames' lengths, the
+    same on every rank, so every rank sends and expects the same sizes."""
+    world_size = world_size_of(group)
+    rest = [max(n - capacity, 0) for n in lengths]
+    if world_size == 1:
+        return [memoryview(payload[capacity:])]
+    longest = max(rest)
+    device = communication_device(group)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    tail = payload[capacity:]
+    if tail:
+        mine[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    return [memoryview(t.cpu().numpy())[:n] for t, n in zip(gathered, rest)]
 
 
 def allgather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -> list[memoryview]:

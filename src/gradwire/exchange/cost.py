@@ -2,7 +2,8 @@
 
 Ring AllReduce of ``n`` elements of ``s`` bytes: ``2 (p-1)/p * n s`` bytes per worker.
 AllGather of payloads padded to the largest, ``B_max``: ``(p-1) * B_max`` per worker (ring), plus
-a tiny AllGather of the lengths. A fixed per-collective latency term (``latency_bytes``, the
+a tiny AllGather of the lengths; or, once the frame size is known, one AllGather of frames of
+that size and no length round. A fixed per-collective latency term (``latency_bytes``, the
 bytes one could have sent in the time of one extra collective round) keeps ``auto`` from trading
 one collective for two when the byte saving is marginal.
 """
@@ -36,10 +37,11 @@ class CostModel:
     def dense(self, numel: int, element_size: int) -> float:
         return ring_allreduce_bytes(numel, element_size, self.world_size)
 
-    def allgather(self, max_payload_bytes: int) -> float:
-        # two collectives (lengths, then payloads): one extra round over a dense AllReduce
-        return allgather_bytes_sent(max_payload_bytes, self.world_size) + self.latency_bytes
+    def allgather(self, max_payload_bytes: int, rounds: int = 2) -> float:
+        """``rounds``: 2 for lengths then payloads (one round more than a dense AllReduce),
+        1 for fixed-size frames."""
+        return allgather_bytes_sent(max_payload_bytes, self.world_size) + (rounds - 1) * self.latency_bytes
 
-    def prefer_allgather(self, max_payload_bytes: int, numel: int, element_size: int) -> bool:
+    def prefer_allgather(self, max_payload_bytes: int, numel: int, element_size: int, rounds: int = 2) -> bool:
         """True only when the sparse AllGather is predicted cheaper than the dense AllReduce."""
-        return self.allgather(max_payload_bytes) < self.dense(numel, element_size)
+        return self.allgather(max_payload_bytes, rounds) < self.dense(numel, element_size)

@@ -20,7 +20,7 @@ import torch
 from .base import BudgetSparsifier, register_sparsifier
 from .random import generator_for
 from .threshold import indices_at_or_above
-from .topk import topk_indices
+from .topk import largest_magnitudes, topk_indices
 
 #: Threshold factors when the count is too low / too high, as in DGC; once both a too-low
 #: and a too-high threshold are known the search bisects between them (geometrically)
@@ -61,7 +61,7 @@ class ThresholdSearch(BudgetSparsifier):
     def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
         threshold = self.initial_threshold(flat, k, step=step, tensor_id=tensor_id)
         if threshold is None or not math.isfinite(threshold) or threshold <= 0.0:
-            return topk_indices(flat.abs(), k)
+            return largest_magnitudes(flat, k)
         fewest, most = self.count_bounds(flat.numel())
 
         scanned = threshold  # lowest threshold scanned so far: candidates hold all |x| >= scanned
@@ -90,7 +90,7 @@ class ThresholdSearch(BudgetSparsifier):
         # there are at least k of them the true top-k lies among them.
         if candidates.numel() >= k:
             return candidates[topk_indices(magnitudes, k)]
-        return topk_indices(flat.abs(), k)
+        return largest_magnitudes(flat, k)
 
 
 @register_sparsifier
