@@ -35,14 +35,31 @@ def test_bench_e2e_local_writes_report_and_plots(tmp_path) -> None:
     out = tmp_path / "e2e"
     code = main(["bench", "e2e", "--local", "--model", "cnn", "--data", "digits", "--workers", "2",
                  "--steps", "2", "--warmup-steps", "1", "--batch-size", "16", "--method", "allreduce",
-                 "--method", "topk:density=0.05,values=fp16,indices=rice", "--out", str(out), "--timeout", "200"])
+                 "--method", "topk:density=0.05,values=fp16,indices=rice", "--out", str(out), "--timeout", "200",
+                 "--rounds", "2"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert [row["method"] for row in results["rows"]] == ["allreduce", "topk:density=0.05,values=fp16,indices=rice"]
     for row in results["rows"]:
         assert row["floor_seconds"] > 0 and not math.isnan(row["communication_overhead"])
+        assert row["rounds"] == 2 and len(row["seconds_per_step_by_round"]) == 2
+        assert min(row["seconds_per_step_by_round"]) <= row["seconds_per_step"] <= max(row["seconds_per_step_by_round"])
     assert results["rows"][0]["ratio_to_allreduce"] == 1.0
     report = (out / "report.md").read_text()
     assert "2 workers, loopback" in report
     for name in ("phases-2w-loopback.png", "speedup.png", "bytes.png"):
         assert (out / name).stat().st_size > 1000 and name in report
+
+
+def test_accuracy_table_over_seeds() -> None:
+    from gradwire.bench.e2e import accuracy_by_method, format_accuracy
+
+    runs = [{"method": "allreduce", "test_accuracy": a} for a in (0.97, 0.95)]
+    runs += [{"method": "topk", "test_accuracy": 0.96}, {"method": "topk", "test_accuracy": 0.0, "status": "diverged"},
+             {"method": "topk", "test_accuracy": 0.92}]
+    table = {row["method"]: row for row in accuracy_by_method(runs)}
+    assert table["allreduce"]["mean"] == pytest.approx(0.96)
+    assert table["allreduce"]["std"] == pytest.approx(0.0141421, rel=1e-4)
+    assert table["topk"]["accuracies"] == [0.96, 0.92]  # the diverged run is counted apart
+    assert table["topk"]["points_vs_allreduce"] == pytest.approx(-2.0)
+    assert "1 failed" in format_accuracy(runs)

@@ -5,6 +5,10 @@ worker, tc-limited links; ``--local`` uses loopback instead), runs every method 
 number of steps after a few warm-up steps, and also measures the compute-only floor
 (forward+backward under ``no_sync``, no communication). Times are reported as ratios to
 AllReduce measured in the same run, and as communication overhead ``step / compute_only - 1``.
+Four workers on two cores swing by 10-25% between launches, so ``--rounds N`` repeats the
+floors and the methods N times (the method order reversed every other round, so that a slow
+spell does not always hit the same methods) and reports medians over the rounds.
+Accuracy runs repeat over ``--accuracy-seeds`` and report mean and spread.
 
 Writes ``results.json``, ``report.md`` and PNG plots into ``--out``: per-iteration time stacked
 by phase, speedup vs AllReduce, bytes per step, and (with ``--accuracy``) test accuracy vs wall
@@ -47,10 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per method")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps run first and left out")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat floors and methods this many times; report medians over rounds")
     parser.add_argument("--local", action="store_true", help="loopback instead of namespaces (no root needed; no rate limit)")
     parser.add_argument("--accuracy", action="store_true",
                         help="also run MNIST-5k accuracy runs (cnn, 2 workers, --accuracy-epochs epochs) per method")
     parser.add_argument("--accuracy-epochs", type=int, default=5)
+    parser.add_argument("--accuracy-seeds", default="0,1,2",
+                        help="comma-separated seeds; each accuracy method runs once per seed")
     parser.add_argument("--accuracy-methods", default="allreduce;topk:density=0.01,values=fp16,indices=rice;"
                         "pufferfish:rank_ratio=0.25,warmup_epochs=1", help="';'-separated specs")
     parser.add_argument("--report-only", action="store_true", help="rebuild report.md and plots from results.json")
@@ -61,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidth: str | None, *,
             compute_only: bool = False, barrier: bool = False, model: str | None = None, epochs: int = 1, full_epochs: bool = False,
-            out: str | None = None, data: str | None = None, warmup_steps: int | None = None) -> list[dict[str, Any]]:
+            out: str | None = None, data: str | None = None, warmup_steps: int | None = None,
+            seed: int = 0) -> list[dict[str, Any]]:
     from ..cli.train import launch
     from ..training import TrainConfig
 
@@ -69,7 +78,7 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
                          epochs=epochs, steps_per_epoch=None if full_epochs else args.steps + args.warmup_steps,
                          warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
                          batch_size=args.batch_size, evaluate=model is not None, compute_only=compute_only,
-                         barrier_each_step=barrier,
+                         barrier_each_step=barrier, seed=seed,
                          out=out, progress=False, synthetic_size=max(256, args.batch_size * workers * 16))
     config.validate()
     cluster = None if bandwidth is None else (bandwidth, args.latency)
@@ -82,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         methods = ["allreduce", *methods]  # every ratio is to AllReduce of the same run
     bandwidths: list[str | None] = [None] if args.local else [b.strip() for b in args.bandwidths.split(",")]
     worker_counts = [int(w) for w in args.workers.split(",")]
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds} must be >= 1")
+    seeds = [int(seed) for seed in args.accuracy_seeds.split(",") if seed.strip()]
+    if not seeds:
+        raise ValueError("--accuracy-seeds needs at least one seed")
     if not args.local and not args.accuracy_only and not args.report_only:
         from ..cluster import cluster_available
 
@@ -105,28 +119,83 @@ def run(args: argparse.Namespace) -> int:
     for workers in worker_counts:
         for bandwidth in bandwidths:
             label = bandwidth or "loopback"
-            print(f"== {workers} workers, {label}: compute-only floor", flush=True)
-            floor = _launch(["allreduce"], args, workers, bandwidth, compute_only=True)[0]
-            synced_floor = _launch(["allreduce"], args, workers, bandwidth, compute_only=True, barrier=True)[0]
-            print(f"== {workers} workers, {label}: {len(methods)} methods", flush=True)
-            for summary in _launch(methods, args, workers, bandwidth):
-                rows.append({"workers": workers, "bandwidth": label, "floor_seconds": floor["seconds_per_step"],
-                             "synced_floor_seconds": synced_floor["seconds_per_step"], **summary})
+            floors, synced_floors, runs = [], [], {method: [] for method in methods}
+            for round_index in range(args.rounds):
+                tag = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
+                print(f"== {workers} workers, {label}: compute-only floor{tag}", flush=True)
+                floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True)[0])
+                synced_floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True, barrier=True)[0])
+                order = methods if round_index % 2 == 0 else methods[::-1]
+                print(f"== {workers} workers, {label}: {len(methods)} methods{tag}", flush=True)
+                for summary in _launch(order, args, workers, bandwidth):
+                    runs[summary["method"]].append(summary)
+            floor = _median([f["seconds_per_step"] for f in floors])
+            synced_floor = _median([f["seconds_per_step"] for f in synced_floors])
+            for method in methods:
+                rows.append({"workers": workers, "bandwidth": label, "floor_seconds": floor,
+                             "synced_floor_seconds": synced_floor, "rounds": len(runs[method]),
+                             "floor_seconds_by_round": [f["seconds_per_step"] for f in floors],
+                             **_over_rounds(runs[method])})
             _normalize(rows)
             _write(rows, [], args.out)
             print_table([r for r in rows if r["workers"] == workers and r["bandwidth"] == label])
     accuracy: list[dict[str, Any]] = []
     if args.accuracy:
         for spec in filter(None, (s.strip() for s in args.accuracy_methods.split(";"))):
-            print(f"== accuracy run: {spec}", flush=True)
-            run_out = os.path.join(args.out, "accuracy", file_slug(spec))
-            summary = _launch([spec], args, 2, None, model="cnn", data="mnist5k", epochs=args.accuracy_epochs,
-                              full_epochs=True, out=run_out, warmup_steps=0)[0]
-            summary["metrics_path"] = os.path.join(run_out, f"metrics-{file_slug(spec)}.jsonl")
-            accuracy.append(summary)
+            for seed in seeds:
+                print(f"== accuracy run: {spec}, seed {seed}", flush=True)
+                run_out = os.path.join(args.out, "accuracy", f"seed{seed}", file_slug(spec))
+                summary = _launch([spec], args, 2, None, model="cnn", data="mnist5k", epochs=args.accuracy_epochs,
+                                  full_epochs=True, out=run_out, warmup_steps=0, seed=seed)[0]
+                summary["metrics_path"] = os.path.join(run_out, f"metrics-{file_slug(spec)}.jsonl")
+                summary["seed"] = seed
+                accuracy.append(summary)
+        print(format_accuracy(accuracy))
     _write(rows, accuracy, args.out)
     print(f"\nwrote {args.out}/report.md, results.json and plots")
     return 0
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _over_rounds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's summary over rounds: medians of the per-round medians; the rest from round one."""
+    merged = dict(summaries[0])
+    merged["seconds_per_step_by_round"] = [s["seconds_per_step"] for s in summaries]
+    merged["seconds_per_step"] = _median(merged["seconds_per_step_by_round"])
+    merged["phases"] = {key: _median([s["phases"][key] for s in summaries]) for key in summaries[0]["phases"]}
+    failed = [s["status"] for s in summaries if s.get("status", "ok") != "ok"]
+    merged["status"] = failed[0] if failed else "ok"
+    return merged
+
+
+def accuracy_by_method(accuracy: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method: accuracies by seed, their mean and sample standard deviation, and the mean's
+    difference to AllReduce's (in points, i.e. percent of the test set)."""
+    methods = list(dict.fromkeys(a["method"] for a in accuracy))
+    table = []
+    for method in methods:
+        values = [a["test_accuracy"] for a in accuracy if a["method"] == method and a.get("status", "ok") == "ok"]
+        mean = sum(values) / len(values) if values else math.nan
+        spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else math.nan
+        table.append({"method": method, "accuracies": values, "mean": mean, "std": spread,
+                      "runs": sum(1 for a in accuracy if a["method"] == method)})
+    baseline = next((row["mean"] for row in table if row["method"] == "allreduce"), math.nan)
+    for row in table:
+        row["points_vs_allreduce"] = 100 * (row["mean"] - baseline)
+    return table
+
+
+def format_accuracy(accuracy: list[dict[str, Any]]) -> str:
+    return format_table(
+        ["method", "accuracy by seed", "mean", "sd", "points vs allreduce"],
+        [[row["method"], " ".join(f"{v:.4f}" for v in row["accuracies"]) + ("" if len(row["accuracies"]) == row["runs"]
+          else f" ({row['runs'] - len(row['accuracies'])} failed)"), f"{row['mean']:.4f}", f"{row['std']:.4f}",
+          f"{row['points_vs_allreduce']:+.2f}"] for row in accuracy_by_method(accuracy)])
 
 
 def _normalize(rows: list[dict[str, Any]]) -> None:
@@ -181,6 +250,8 @@ def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
         synced = group[0].get("synced_floor_seconds")
         floors = f"floor {group[0]['floor_seconds']:.3f} s/step" + (f", with a barrier per step {synced:.3f}" if synced else "")
+        if group[0].get("rounds", 1) > 1:
+            floors += f"; medians of {group[0]['rounds']} rounds"
         lines += [f"## {workers} workers, {link} ({floors})", "",
                   "| method | s/step | x allreduce | overhead | MB/step | params | status |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['seconds_per_step']:.3f} | {r['ratio_to_allreduce']:.2f} | "
@@ -188,10 +259,11 @@ def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
                   f"{r.get('status', 'ok')} |" for r in group]
         lines.append("")
     if accuracy:
-        lines += ["## Accuracy (cnn, MNIST-5k, 2 workers)", "", "| method | test accuracy | wall s | status |",
-                  "|---|---|---|---|"]
-        lines += [f"| {a['method']} | {a['test_accuracy']:.4f} | {a['wall_seconds']:.1f} | {a.get('status', 'ok')} |"
-                  for a in accuracy]
+        epochs = accuracy[0].get("config", {}).get("epochs", "?")
+        lines += [f"## Accuracy (cnn, MNIST-5k, 2 workers, {epochs} epochs, one run per seed)", "",
+                  "| method | accuracy by seed | mean | sd | points vs allreduce |", "|---|---|---|---|---|"]
+        lines += [f"| {row['method']} | {' '.join(f'{v:.4f}' for v in row['accuracies'])} | {row['mean']:.4f} | "
+                  f"{row['std']:.4f} | {row['points_vs_allreduce']:+.2f} |" for row in accuracy_by_method(accuracy)]
         lines.append("")
     lines += [f"![{name}]({name})" for name in plots]
     with open(os.path.join(out, "report.md"), "w") as handle:
@@ -254,7 +326,10 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
             names.append(fname)
     if accuracy:
         figure, axis = plt.subplots(figsize=(6.5, 4.5))
+        first_seed = accuracy[0].get("seed")
         for summary in accuracy:
+            if summary.get("seed") != first_seed:
+                continue
             path = summary.get("metrics_path")
             if not path or not os.path.exists(path):
                 continue
@@ -270,7 +345,8 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
             axis.plot(elapsed, smoothed, label=f"{summary['method']} (test acc {summary['test_accuracy']:.3f})")
         axis.set_xlabel("training seconds (sum of step times)")
         axis.set_ylabel("training loss (mean of the last 20 steps)")
-        axis.set_title("MNIST-5k, 2 workers: loss against training time")
+        axis.set_title("MNIST-5k, 2 workers: loss against training time"
+                       + (f" (seed {first_seed})" if first_seed is not None else ""))
         axis.set_yscale("log")
         axis.legend(fontsize=7)
         figure.tight_layout()

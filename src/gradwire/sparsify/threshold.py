@@ -9,6 +9,7 @@ its count varies from step to step, so the exchange must cope with a variable si
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -20,6 +21,20 @@ from .base import Sparsifier, check_seed, register_sparsifier
 #: on an idle machine but slower under load: each chunk is a few multi-threaded ops, and every
 #: op waits for all threads to be scheduled.
 CPU_CHUNK_NUMEL = 1 << 22
+
+#: Per thread, the chunk buffers of the last scan, reused: a fresh temporary costs more in page
+#: faults than the scan itself (measured here: ``abs`` of ResNet-18's 11M gradients takes 40 ms
+#: into new tensors, 12 ms into existing ones). At most 20 MB per scanning thread.
+_scratch = threading.local()
+
+
+def _chunk_buffers(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None or buffers[0].numel() < numel or buffers[0].dtype != dtype:
+        size = max(numel, buffers[0].numel() if buffers is not None and buffers[0].dtype == dtype else 0)
+        buffers = (torch.empty(size, dtype=dtype), torch.empty(size, dtype=torch.bool))
+        _scratch.buffers = buffers
+    return buffers[0][:numel], buffers[1][:numel]
 
 
 def representable_at_least(threshold: float, dtype: torch.dtype) -> float:
@@ -44,11 +59,10 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     """
     bound = representable_at_least(threshold, flat.dtype)
     numel = flat.numel()
-    chunk = CPU_CHUNK_NUMEL if flat.device.type == "cpu" else numel
-    if numel <= chunk:
+    if flat.device.type != "cpu" or numel == 0:
         return torch.nonzero(flat.abs() >= bound).view(-1)
-    magnitudes = torch.empty(chunk, dtype=flat.dtype)
-    mask = torch.empty(chunk, dtype=torch.bool)
+    chunk = min(numel, CPU_CHUNK_NUMEL)
+    magnitudes, mask = _chunk_buffers(chunk, flat.dtype)
     pieces = []
     for start in range(0, numel, chunk):
         part = flat[start : start + chunk]
@@ -56,7 +70,7 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
         torch.abs(part, out=magnitudes[:size])
         torch.ge(magnitudes[:size], bound, out=mask[:size])
         pieces.append(torch.nonzero(mask[:size]).view(-1).add_(start))
-    return torch.cat(pieces)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 @register_sparsifier
