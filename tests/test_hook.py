@@ -294,3 +294,45 @@ def test_frames_overflow_and_error_feedback_stays_exact() -> None:
         assert error < 1e-12
         assert stats["step"] == 6
         assert stats.get("count_frame_overflows", 0) >= 1, stats
+
+
+class _LyingBytes(bytes):
+    """A payload whose announced length is absurd: what a broken or hostile peer might send."""
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+
+def worker_lying_length(rank: int, world_size: int, lie_step: int) -> str:
+    import gradwire.hook as hook_module
+
+    model = _model()
+    exchange = gradwire.GradientExchange(model, compressor="topk", density=0.2, bucket_cap_mb=25)
+    honest = hook_module.codec_layer.encode_tensors
+
+    def encode(*args, **kwargs):
+        encoded = honest(*args, **kwargs)
+        if rank == 1 and exchange.state.iteration == lie_step:
+            encoded = type(encoded)(_LyingBytes(encoded.payload), encoded.tensors)
+        return encoded
+
+    hook_module.codec_layer.encode_tensors = encode
+    try:
+        for step in range(lie_step + 1):
+            model.zero_grad()
+            inputs, targets = _batch(rank, step)
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            exchange.synchronize()
+    except gradwire.DecodeError as error:
+        return f"{exchange.state.iteration}: {error}"
+    finally:
+        hook_module.codec_layer.encode_tensors = honest
+    return "no error"
+
+
+@pytest.mark.parametrize("lie_step", [0, 2])
+def test_absurd_announced_length_is_refused_on_every_rank(lie_step: int) -> None:
+    """Step 0 announces lengths in a round of their own, later steps inside the frames: either
+    way every rank refuses before allocating anything for the announced size."""
+    for message in run_workers(worker_lying_length, 2, lie_step, timeout=60, pg_timeout=10):
+        assert "announced a payload of 1099511627776 bytes" in message, message

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import codecs as codec_layer
+from .bucket_payload import Part, decode_bucket, encode_bucket
 from .errors import DecodeError, check_choice
 from .exchange import (
     COLLECTIVES,
@@ -74,6 +75,9 @@ FRAME_HEADROOM = 0.1
 FRAME_SLACK_BYTES = 64
 #: An oversized frame shrinks by this factor per step toward its payloads.
 FRAME_SHRINK = 0.95
+#: No codec needs more than this many bytes per dense element (raw uint64 positions + float64
+#: values take 16): a longer announced payload is refused before anything is allocated for it.
+MAX_PAYLOAD_BYTES_PER_ELEMENT = 32
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -434,11 +438,8 @@ class CommHookState:
         encoded = None
         if finite:
             with self._stats.timer("encode"):
-                encoded = codec_layer.encode_tensors(
-                    [(e.compensated[e.indices], e.indices, e.compensated.numel()) for e in group.entries],
-                    self.index_codec, self.value_codec, check=False,
-                    dense=[e.compensated for e in group.entries],
-                )
+                encoded = encode_bucket([Part(e.compensated, e.indices, e.offset) for e in group.entries],
+                                        group.numel, self.index_codec, self.value_codec)
         payload = encoded.payload if encoded else b""
         signature = group.signature()
         capacity = self._frame_capacity.get(signature) if world > 1 else None
@@ -456,6 +457,7 @@ class CommHookState:
             self._stats.add("seconds_communicate", _now() - start)
             self._resolve_nonfinite(group)
             return
+        _check_lengths(lengths, group)
         cost = CostModel(world)
         if self.collective == "auto" and world > 1 and not cost.prefer_allgather(max(lengths), group.numel, element_size):
             self._stats.add("bytes_sent", 8.0 * (world - 1))
@@ -492,6 +494,7 @@ class CommHookState:
             if min(lengths) < 0:
                 self._resolve_nonfinite(group)
                 return
+            _check_lengths(lengths, group)
             self._learn_frame(signature, lengths)
             if max(lengths) > capacity:
                 record.overflow = (lengths, heads)  # a collective may not start here: see _settle_frames
@@ -544,26 +547,24 @@ class CommHookState:
             dtype = group.entries[0].compensated.dtype if group.entries else torch.float32
             device = group.buffers[0].device
             out = _output_buffer(group, dtype)
-            offsets = torch.tensor([e.offset for e in group.entries], dtype=torch.int64)
             for source, data in enumerate(payloads):
                 if source == rank:  # our own reconstruction is bit-identical to decoding it
-                    tensors = [(t.values, t.indices, t.numel) for t in encoded.tensors]
+                    positions, values = encoded.positions, encoded.values
                 else:
-                    tensors = self._decode_from(source, data, group)
-                counts = torch.tensor([t[1].numel() for t in tensors], dtype=torch.int64)
-                positions = torch.cat([t[1] for t in tensors]) + torch.repeat_interleave(offsets, counts)
-                values = torch.cat([t[0] for t in tensors]).to(dtype)
+                    positions, values = self._decode_from(source, data, group)
+                values = values.to(dtype)  # a copy unless the codec returned the sent tensor itself
                 if world > 1:  # divide the few sent values, not the whole buffer afterwards
-                    values = values.div_(world)
+                    values = values / world
                 out.index_add_(0, positions.to(device), values.to(device))
             if self.feedback is not None:
-                for entry, sent in zip(group.entries, encoded.tensors):
-                    self.feedback.update(entry.key, entry.compensated, sent.indices.to(device), sent.values.to(device))
+                for entry, (indices, values) in zip(group.entries, encoded.sent):
+                    self.feedback.update(entry.key, entry.compensated, indices.to(device), values.to(device))
             self._write(group, out)
 
-    def _decode_from(self, source: int, data: memoryview, group: _Group) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    def _decode_from(self, source: int, data: memoryview, group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return codec_layer.decode_tensors(data, expected_numels=[e.grad.numel() for e in group.entries])
+            return decode_bucket(data, [e.grad.numel() for e in group.entries], [e.offset for e in group.entries],
+                                 group.numel, self.index_codec)
         except DecodeError as error:
             raise DecodeError(f"payload from rank {source}: {error}") from error
 
@@ -603,6 +604,16 @@ def _fail(group: _Group, error: BaseException) -> None:
     for pending in group.futures:
         if not pending.done():
             pending.set_exception(error)
+
+
+def _check_lengths(lengths: Sequence[int], group: _Group) -> None:
+    """Refuse announced payload lengths no codec could produce for this group (every rank sees
+    the same lengths, so every rank refuses together) before allocating for them."""
+    limit = MAX_PAYLOAD_BYTES_PER_ELEMENT * group.numel + (1 << 20)
+    if max(lengths) > limit:
+        source = max(range(len(lengths)), key=lambda r: lengths[r])
+        raise DecodeError(f"rank {source} announced a payload of {max(lengths)} bytes; at most {limit} "
+                          f"are possible for {group.numel} elements")
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
