@@ -71,7 +71,7 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, index_codec: IndexCod
         received = encoded.tensors[0].values
         if order is not None:  # back to the parts' order to split per part
             unsorted = torch.empty_like(received)
-            unsorted[order] = received
+            unsorted[order.to(received.device)] = received
             part_values = unsorted
         else:
             part_values = received

@@ -70,7 +70,8 @@ NONFINITE_POLICIES = ("raise", "skip")
 #: Value codecs an AllReduce of values can apply (a cast); others need the AllGather path.
 CAST_VALUE_CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: Frame size for a group of buckets, relative to the longest payload seen: room for ordinary
-#: step-to-step variation (sampled top-k's count alone varies by up to 20% per tensor).
+#: step-to-step variation of the coded size, plus the count's own variation where the
+#: sparsifier's count may vary (sampled top-k: up to 20% per tensor; see ``_frame_headroom``).
 FRAME_HEADROOM = 0.1
 FRAME_SLACK_BYTES = 64
 #: An oversized frame shrinks by this factor per step toward its payloads.
@@ -225,6 +226,7 @@ class CommHookState:
         #: only from lengths every rank has seen.
         self._frame_capacity: dict[tuple[int, ...], int] = {}
         self._framed: list[_FramedGather] = []
+        self._frame_headroom = FRAME_HEADROOM + _count_slack(self.sparsifier)
         self._names: dict[Hashable, str] = {}
         self._param_index: dict[Hashable, int] = {}
         if model is not None:
@@ -507,7 +509,7 @@ class CommHookState:
 
     def _learn_frame(self, signature: tuple[int, ...], lengths: Sequence[int]) -> None:
         """Next frame size for this layout, from lengths every rank has seen (so all agree)."""
-        wanted = math.ceil(max(lengths) * (1.0 + FRAME_HEADROOM)) + FRAME_SLACK_BYTES
+        wanted = math.ceil(max(lengths) * (1.0 + self._frame_headroom)) + FRAME_SLACK_BYTES
         current = self._frame_capacity.get(signature)
         if current is not None and wanted < current:
             wanted = max(wanted, int(current * FRAME_SHRINK))
@@ -604,6 +606,19 @@ def _fail(group: _Group, error: BaseException) -> None:
     for pending in group.futures:
         if not pending.done():
             pending.set_exception(error)
+
+
+def _count_slack(sparsifier: Any) -> float:
+    """How far above its target the sparsifier's count may go, as a fraction (0.2 for sampled
+    top-k's default tolerance; 0 for exact counts and for sparsifiers without a target, whose
+    rare jumps the overflow round absorbs)."""
+    if sparsifier is None:
+        return 0.0
+    numel = 1 << 20
+    target = sparsifier.target_k(numel)
+    if not target:
+        return 0.0
+    return min(1.0, max(0.0, sparsifier.count_bounds(numel)[1] / target - 1.0))
 
 
 def _check_lengths(lengths: Sequence[int], group: _Group) -> None:
