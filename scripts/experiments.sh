@@ -5,7 +5,7 @@
 set -x
 cd "$(dirname "$0")/.."
 mkdir -p bench-out
-train() { .venv/bin/python -m gradwire train --model resnet18 --workers 4 --steps 7 --warmup-steps 2 --no-eval \
+train() { .venv/bin/python -m gradwire train --model resnet18 --workers 4 --epochs 1 --steps 7 --warmup-steps 2 --no-eval \
             --cluster --bandwidth "$BW" "$@"; }
 BW=1gbit
 # 1. time breakdown (random-block paper): allreduce vs topk / randomk / randomblock at 1%

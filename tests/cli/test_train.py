@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,3 +79,41 @@ def test_train_rejects_bad_options(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "gradwire", "train", "--method", "topk:density=2"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "density" in result.stderr
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(child) for child in handle.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_sigterm_stops_the_launcher_and_its_workers() -> None:
+    """``kill``/``timeout`` send SIGTERM; the launcher must still kill its workers on the way out."""
+    command = [sys.executable, "-m", "gradwire", "train", "--model", "cnn", "--data", "digits", "--workers", "2",
+               "--epochs", "50", "--no-eval", "--method", "allreduce"]
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+            workers = _children(launcher.pid)
+        assert len(workers) == 2, "workers did not start"
+        time.sleep(2)  # let them get into training
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) != 0
+        time.sleep(0.5)
+        alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}") and
+                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        assert not alive, f"workers {alive} outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -8,6 +8,7 @@ one rank of the job torchrun started (``torchrun --nnodes ... -m gradwire train 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -16,9 +17,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..tables import format_table
 
@@ -116,8 +118,8 @@ def launch(config: Any, workers: int, *, timeout: float = 3600,
            cluster: Optional[tuple[str, str]] = None) -> list[dict[str, Any]]:
     """Start ``workers`` worker processes (in network namespaces with ``cluster=(bandwidth,
     latency)``), wait for them, and return rank 0's summaries. Workers are killed on error,
-    timeout or Ctrl-C; the namespaces are removed in every case."""
-    with tempfile.TemporaryDirectory(prefix="gradwire-train-") as folder:
+    timeout, Ctrl-C or SIGTERM; the namespaces are removed in every case."""
+    with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="gradwire-train-") as folder:
         config_path = os.path.join(folder, "config.json")
         result_path = os.path.join(folder, "result.json")
         with open(config_path, "w") as handle:
@@ -144,6 +146,25 @@ def launch(config: Any, workers: int, *, timeout: float = 3600,
                                    "latency_emulated": emulated.latency_emulated,
                                    "launch_bytes_sent_by_rank": wire_bytes}
         return summaries
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """Turn SIGTERM (``kill``, ``timeout``, job schedulers) into SystemExit while launching, so the
+    clean-up that Ctrl-C gets (workers killed, namespaces removed) runs for it too. Python's
+    default for SIGTERM is to die on the spot."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_processes(commands: list[list[str]], master_addr: str, timeout: float,

@@ -21,7 +21,7 @@ from .threshold import indices_at_or_above
 #: Below this many elements ``torch.topk`` over everything is as fast as a scan.
 SCAN_MIN_NUMEL = 1 << 16
 #: The scan pays only when it leaves few candidates: above this density use ``torch.topk``.
-SCAN_MAX_DENSITY = 0.1
+SCAN_MAX_DENSITY = 0.25
 #: Sample size for the threshold estimate (evenly spaced, so deterministic and cheap).
 SAMPLE_SIZE = 1 << 13
 #: Lowering the threshold when a scan left fewer than ``k`` candidates: widen the sample rank by this.
