@@ -71,7 +71,7 @@ NONFINITE_POLICIES = ("raise", "skip")
 CAST_VALUE_CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: Frame size for a group of buckets, relative to the longest payload seen: room for ordinary
 #: step-to-step variation of the coded size, plus the count's own variation where the
-#: sparsifier's count may vary (sampled top-k: up to 20% per tensor; see ``_frame_headroom``).
+#: sparsifier's count may vary (sampled top-k: up to 20% per tensor; see ``_count_slack``).
 FRAME_HEADROOM = 0.1
 FRAME_SLACK_BYTES = 64
 #: An oversized frame shrinks by this factor per step toward its payloads.
