@@ -193,10 +193,10 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "final_loss": records[-1]["loss"] if records else math.nan,
         "test_accuracy": accuracy,
         "wall_seconds": wall,
-        "seconds_per_step": _median([r["seconds_step"] for r in measured]),
-        "bytes_per_step": _median([r.get("bytes_sent", math.nan) for r in measured]),
+        "seconds_per_step": median([r["seconds_step"] for r in measured]),
+        "bytes_per_step": median([r.get("bytes_sent", math.nan) for r in measured]),
         "parameters": sum(p.numel() for p in ddp.parameters()),
-        "phases": {key: _median([r.get(key, math.nan) for r in measured]) for key in
+        "phases": {key: median([r.get(key, math.nan) for r in measured]) for key in
                    ("seconds_forward", "seconds_backward", "seconds_optimizer", "seconds_compress",
                     "seconds_communicate", "seconds_decompress")},
         "compute_only": config.compute_only,
@@ -265,7 +265,8 @@ def run_rank(config: TrainConfig) -> list[dict[str, Any]]:
     return summaries
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """Median of the non-NaN values (NaN when there are none)."""
     finite = sorted(v for v in values if v == v)
     if not finite:
         return math.nan

@@ -23,7 +23,7 @@ import math
 import os
 from typing import Any
 
-from ..training import file_slug
+from ..training import file_slug, median
 from ..tables import format_table
 
 DEFAULT_METHODS = [
@@ -129,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"== {workers} workers, {label}: {len(methods)} methods{tag}", flush=True)
                 for summary in _launch(order, args, workers, bandwidth):
                     runs[summary["method"]].append(summary)
-            floor = _median([f["seconds_per_step"] for f in floors])
-            synced_floor = _median([f["seconds_per_step"] for f in synced_floors])
+            floor = median([f["seconds_per_step"] for f in floors])
+            synced_floor = median([f["seconds_per_step"] for f in synced_floors])
             for method in methods:
                 rows.append({"workers": workers, "bandwidth": label, "floor_seconds": floor,
                              "synced_floor_seconds": synced_floor, "rounds": len(runs[method]),
@@ -156,18 +156,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def _over_rounds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One method's summary over rounds: medians of the per-round medians; the rest from round one."""
     merged = dict(summaries[0])
     merged["seconds_per_step_by_round"] = [s["seconds_per_step"] for s in summaries]
-    merged["seconds_per_step"] = _median(merged["seconds_per_step_by_round"])
-    merged["phases"] = {key: _median([s["phases"][key] for s in summaries]) for key in summaries[0]["phases"]}
+    merged["seconds_per_step"] = median(merged["seconds_per_step_by_round"])
+    merged["phases"] = {key: median([s["phases"][key] for s in summaries]) for key in summaries[0]["phases"]}
     failed = [s["status"] for s in summaries if s.get("status", "ok") != "ok"]
     merged["status"] = failed[0] if failed else "ok"
     return merged

@@ -16,6 +16,7 @@ Nothing is pickled; receivers parse the bytes with the codecs' checked decoder.
 from __future__ import annotations
 
 import hashlib
+import struct
 from typing import Any, Callable, Optional
 
 import torch
@@ -80,10 +81,7 @@ class ByteGather:
             future.set_result([memoryview(self.payload)])
             return future
         longest = max(lengths)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        if self.payload:
-            padded[: len(self.payload)] = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)
-        padded = padded.to(self.device)
+        padded = _padded(self.payload, longest, self.device)
         gathered = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
 
@@ -91,6 +89,14 @@ class ByteGather:
             return [memoryview(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths)]
 
         return work.get_future().then(unpad)
+
+
+def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    """``data`` followed by zeros, as a uint8 tensor of ``size`` (>= ``len(data)``) bytes on ``device``."""
+    out = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out.to(device)
 
 
 #: Bytes of the length field at the start of each frame (int64, little-endian; -1: invalid).
@@ -114,13 +120,8 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(([own], [memoryview(payload if valid else b"")]))
         return future
-    device = communication_device(group)
-    frame = torch.zeros(FRAME_HEADER_BYTES + capacity, dtype=torch.uint8)
-    frame[:FRAME_HEADER_BYTES] = torch.tensor([own], dtype=torch.int64).view(torch.uint8)
     head = payload[:capacity] if valid else b""
-    if head:
-        frame[FRAME_HEADER_BYTES: FRAME_HEADER_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    frame = frame.to(device)
+    frame = _padded(struct.pack("<q", own) + head, FRAME_HEADER_BYTES + capacity, communication_device(group))
     gathered = [torch.empty_like(frame) for _ in range(world_size)]
     work = dist.all_gather(gathered, frame, group=group, async_op=True)
 
@@ -146,13 +147,7 @@ def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
     rest = [max(n - capacity, 0) for n in lengths]
     if world_size == 1:
         return [memoryview(payload[capacity:])]
-    longest = max(rest)
-    device = communication_device(group)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    tail = payload[capacity:]
-    if tail:
-        mine[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
-    mine = mine.to(device)
+    mine = _padded(payload[capacity:], max(rest), communication_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
     return [memoryview(t.cpu().numpy())[:n] for t, n in zip(gathered, rest)]
