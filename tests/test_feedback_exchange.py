@@ -69,7 +69,7 @@ def test_collectives_are_identity_for_one_rank() -> None:
 
 
 def test_finite_check_is_exact() -> None:
-    from gradwire.hook import _all_finite
+    from gradwire.hook.group import all_finite as _all_finite
 
     assert _all_finite(torch.randn(1000))
     assert _all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the values do not

@@ -304,11 +304,11 @@ class _LyingBytes(bytes):
 
 
 def worker_lying_length(rank: int, world_size: int, lie_step: int) -> str:
-    import gradwire.hook as hook_module
+    import gradwire.codecs as codec_layer
 
     model = _model()
     exchange = gradwire.GradientExchange(model, compressor="topk", density=0.2, bucket_cap_mb=25)
-    honest = hook_module.codec_layer.encode_tensors
+    honest = codec_layer.encode_tensors
 
     def encode(*args, **kwargs):
         encoded = honest(*args, **kwargs)
@@ -316,7 +316,7 @@ def worker_lying_length(rank: int, world_size: int, lie_step: int) -> str:
             encoded = type(encoded)(_LyingBytes(encoded.payload), encoded.tensors)
         return encoded
 
-    hook_module.codec_layer.encode_tensors = encode
+    codec_layer.encode_tensors = encode
     try:
         for step in range(lie_step + 1):
             model.zero_grad()
@@ -326,7 +326,7 @@ def worker_lying_length(rank: int, world_size: int, lie_step: int) -> str:
     except gradwire.DecodeError as error:
         return f"{exchange.state.iteration}: {error}"
     finally:
-        hook_module.codec_layer.encode_tensors = honest
+        codec_layer.encode_tensors = honest
     return "no error"
 
 

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):  # the hook layer pulls in sparsify/exchange; load it on first use
-    if name in ("CommHookState", "comm_hook", "NonFiniteGradientError"):
+    if name in ("CommHookState", "HookConfig", "comm_hook", "NonFiniteGradientError"):
         from . import hook
 
         return getattr(hook, name)

@@ -26,3 +26,20 @@ def check_choice(option: str, value: object, allowed: "list[str] | tuple[str, ..
     """Raise ``ValueError`` naming ``option`` and the ``allowed`` values unless ``value`` is one."""
     if value not in allowed:
         raise ValueError(f"{option}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died, left, or runs without the gradwire hook).
+
+    Raised on every surviving rank for the same step; the message names the collective and
+    the step.
+    """
+
+
+class StepFailedError(RuntimeError):
+    """Some rank could not finish this step's exchange (its error is named); every rank raises."""
+
+
+class DivergenceError(RuntimeError):
+    """Ranks computed different averaged gradients for the same step (a corrupted payload that
+    still passed its checksum, or a bug): every rank raises before any of them steps."""

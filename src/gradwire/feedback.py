@@ -69,6 +69,10 @@ class ErrorFeedback:
         if previous is not None and previous is not compensated:
             self._spares[key] = previous
 
+    def residual(self, key: Hashable) -> "torch.Tensor | None":
+        """The residual kept for ``key`` (flat), or None; read-only by convention."""
+        return self.residuals.get(key)
+
     def clear(self, key: Hashable) -> None:
         """Everything was sent (dense step): nothing is left over."""
         self.residuals.pop(key, None)

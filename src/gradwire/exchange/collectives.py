@@ -11,10 +11,16 @@ Byte strings travel as uint8 tensors, in one of two ways:
   in a second round that every rank, having seen the same lengths, agrees to run.
 
 Nothing is pickled; receivers parse the bytes with the codecs' checked decoder.
+
+Every completion callback here calls ``future.value()`` before touching its buffers: a collective
+that failed (a peer died) must surface as that error, never as the contents of buffers it never
+wrote. Blocking rounds wait with a ``timeout`` (seconds) well below gloo's 30-minute default, so a
+dead or hook-less peer is reported in seconds or minutes rather than half an hour.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import struct
 from typing import Any, Callable, Optional
@@ -42,7 +48,24 @@ def allreduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = Non
         future.set_result(tensor)
         return future
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return work.get_future().then(lambda _: tensor)
+
+    def summed(future: torch.futures.Future) -> torch.Tensor:
+        future.value()  # re-raises a failed AllReduce instead of returning our own unreduced tensor
+        return tensor
+
+    return work.get_future().then(summed)
+
+
+def wait_for(work: Any, timeout: Optional[float], collective: str) -> None:
+    """Block until ``work`` (a ``dist`` Work) completes; raise ``RuntimeError`` naming
+    ``collective`` if it fails or takes longer than ``timeout`` seconds (None: the group's own)."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as error:
+        raise RuntimeError(f"{collective} did not complete within {timeout} s or failed: {error}") from error
 
 
 class ByteGather:
@@ -53,10 +76,12 @@ class ByteGather:
     launches the padded AllGather and returns a Future of the list of per-rank ``memoryview``s.
     """
 
-    def __init__(self, payload: bytes, group: Optional[dist.ProcessGroup] = None, *, valid: bool = True) -> None:
+    def __init__(self, payload: bytes, group: Optional[dist.ProcessGroup] = None, *, valid: bool = True,
+                 timeout: Optional[float] = None) -> None:
         self.payload = payload if valid else b""
         self.valid = valid
         self.group = group
+        self.timeout = timeout
         self.world_size = world_size_of(group)
         self.device = communication_device(group) if self.world_size > 1 else torch.device("cpu")
         self._lengths: Optional[list[int]] = None
@@ -70,7 +95,8 @@ class ByteGather:
             else:
                 mine = torch.tensor([own], dtype=torch.int64, device=self.device)
                 gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-                dist.all_gather(gathered, mine, group=self.group)
+                work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+                wait_for(work, self.timeout, "AllGather of payload lengths")
                 self._lengths = [int(t.item()) for t in gathered]
         return self._lengths
 
@@ -85,7 +111,8 @@ class ByteGather:
         gathered = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
 
-        def unpad(_: Any) -> list[memoryview]:
+        def unpad(future: torch.futures.Future) -> list[memoryview]:
+            future.value()  # a failed AllGather raises here, before its buffers are read
             return [memoryview(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths)]
 
         return work.get_future().then(unpad)
@@ -125,7 +152,8 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
     gathered = [torch.empty_like(frame) for _ in range(world_size)]
     work = dist.all_gather(gathered, frame, group=group, async_op=True)
 
-    def split(_: Any) -> tuple[list[int], list[memoryview]]:
+    def split(future: torch.futures.Future) -> tuple[list[int], list[memoryview]]:
+        future.value()  # a failed AllGather raises here, before its never-written frames are read
         lengths, heads = [], []
         for received in gathered:
             array = received.cpu().numpy()
@@ -139,7 +167,7 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
 
 
 def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
-                    group: Optional[dist.ProcessGroup] = None) -> list[memoryview]:
+                    group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[float] = None) -> list[memoryview]:
     """Blocking second round after :func:`gather_frames`: each rank's bytes beyond ``capacity``
     (empty where its payload fitted), in rank order. ``lengths`` are the frames' lengths, the
     same on every rank, so every rank sends and expects the same sizes."""
@@ -149,7 +177,7 @@ def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
         return [memoryview(payload[capacity:])]
     mine = _padded(payload[capacity:], max(rest), communication_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
+    wait_for(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, "AllGather of frame overflow")
     return [memoryview(t.cpu().numpy())[:n] for t, n in zip(gathered, rest)]
 
 
@@ -159,7 +187,8 @@ def allgather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -
 
 
 def check_same_on_all_ranks(description: str, group: Optional[dist.ProcessGroup] = None,
-                            on_mismatch: Callable[[list[int]], str] | None = None) -> None:
+                            on_mismatch: Callable[[list[int]], str] | None = None, *,
+                            timeout: Optional[float] = None) -> None:
     """Raise ValueError on every rank unless ``description`` is identical on all ranks.
 
     Compares a 63-bit hash, so ranks configured differently fail with a clear message at first
@@ -171,7 +200,12 @@ def check_same_on_all_ranks(description: str, group: Optional[dist.ProcessGroup]
     device = communication_device(group)
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size_of(group))]
-    dist.all_gather(gathered, mine, group=group)
+    try:
+        wait_for(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, "configuration check")
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"gradwire's first collective (comparing options across ranks) did not complete: some rank is "
+            f"missing, dead, or trains without the gradwire hook registered ({error})") from error
     hashes = [int(t.item()) for t in gathered]
     if len(set(hashes)) > 1:
         differing = [rank for rank, h in enumerate(hashes) if h != hashes[0]]

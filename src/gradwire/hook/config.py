@@ -1,0 +1,143 @@
+"""Every option of the hook in one frozen, validated record.
+
+:class:`HookConfig` is the single list of options. The cross-rank mismatch check and
+:meth:`HookConfig.describe` both derive from its fields, so an option added here can never
+escape the check (a field marked ``rank_local`` — a logging period, a timeout — may differ
+between ranks and is left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from .. import codecs as codec_layer
+from ..codecs.base import IndexCodec, ValueCodec
+from ..errors import check_choice
+from ..exchange import COLLECTIVES
+from ..sparsify import get_sparsifier, sparsifiers
+from ..sparsify.base import Sparsifier
+
+SCOPES = ("layer", "global")
+NONFINITE_POLICIES = ("raise", "skip")
+VERIFY_POLICIES = ("digest", "none")
+#: Value codecs an AllReduce of values can apply (a cast); others need a payload exchange.
+CAST_VALUE_CODECS = ("fp32", "fp16", "bf16")
+#: A collective that has not finished after this many seconds fails the step (gloo's own
+#: default is 30 minutes: far too long to notice a dead peer or a rank without the hook).
+DEFAULT_COLLECTIVE_TIMEOUT = 120.0
+
+_LOCAL = {"rank_local": True}
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """The hook's options; see :class:`gradwire.CommHookState` for what each one means.
+
+    Codecs may be given as names, config dicts or instances; they are resolved (with
+    ``codec_options`` routed to them) by :meth:`build_codecs`. Invalid values raise
+    ``ValueError`` naming the option and the allowed values.
+    """
+
+    compressor: str = "topk"
+    density: Optional[float] = None
+    k: Optional[int] = None
+    threshold: Optional[float] = None
+    value_codec: Any = "fp32"
+    index_codec: Any = "eliasfano"
+    codec_options: dict[str, Any] = field(default_factory=dict)
+    error_feedback: bool = True
+    momentum_correction: Optional[float] = None
+    scope: str = "layer"
+    collective: str = "auto"
+    hierarchy: Union[str, int, None] = None
+    seed: int = 0
+    warmup_steps: int = 0
+    nonfinite: str = "raise"
+    verify: str = "digest"
+    collective_timeout: float = field(default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_LOCAL)
+    log_every: int = field(default=0, metadata=_LOCAL)
+
+    def __post_init__(self) -> None:
+        check_choice("compressor", self.compressor, ("none", *sparsifiers()))
+        check_choice("scope", self.scope, SCOPES)
+        check_choice("collective", self.collective, COLLECTIVES)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("verify", self.verify, VERIFY_POLICIES)
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if not isinstance(self.log_every, int) or self.log_every < 0:
+            raise ValueError(f"log_every={self.log_every!r} must be an integer >= 0")
+        if not (isinstance(self.collective_timeout, (int, float)) and math.isfinite(self.collective_timeout)
+                and self.collective_timeout > 0):
+            raise ValueError(f"collective_timeout={self.collective_timeout!r} must be a number of seconds > 0")
+        if self.hierarchy not in (None, "auto") and not (isinstance(self.hierarchy, int) and self.hierarchy >= 1):
+            raise ValueError(f"hierarchy={self.hierarchy!r} is not supported; allowed: None, 'auto', "
+                             "or the number of ranks per node (an integer >= 1)")
+        object.__setattr__(self, "codec_options", dict(self.codec_options or {}))
+        if self.compressor != "none" and self.density is None and self.k is None and self.threshold is None:
+            object.__setattr__(self, "density", 0.01)
+        sparsifier = self.build_sparsifier()  # validates the amount against the sparsifier
+        value_codec, index_codec = self.build_codecs()
+        object.__setattr__(self, "value_codec", value_codec)
+        object.__setattr__(self, "index_codec", index_codec)
+        shared = bool(sparsifier is not None and sparsifier.shared_support)
+        if self.collective == "allreduce" and not shared:
+            raise ValueError(
+                f"collective='allreduce' needs a shared support (randomk, randomblock); "
+                f"compressor={self.compressor!r} picks different positions per rank: use 'allgather', "
+                "'sparse-allreduce' or 'auto'"
+            )
+        if self.collective == "allreduce" and value_codec.name not in CAST_VALUE_CODECS:
+            raise ValueError(
+                f"collective='allreduce' sums values on the wire, so value_codec must be one of "
+                f"{', '.join(CAST_VALUE_CODECS)}; got {value_codec.name!r}"
+            )
+        if self.collective == "sparse-allreduce" and (sparsifier is None or shared):
+            raise ValueError(
+                f"collective='sparse-allreduce' needs a per-rank support (topk, sampled-topk, gaussian-k, "
+                f"threshold); compressor={self.compressor!r} has {'none' if sparsifier is None else 'a shared one'}"
+            )
+
+    # ------------------------------------------------------------------------------ building
+    def build_sparsifier(self) -> Optional[Sparsifier]:
+        if self.compressor == "none":
+            return None
+        return get_sparsifier(self.compressor, density=self.density, k=self.k, threshold=self.threshold,
+                              seed=self.seed)
+
+    def build_codecs(self) -> tuple[ValueCodec, IndexCodec]:
+        return codec_layer.resolve_codecs(self.value_codec, self.index_codec, dict(self.codec_options))
+
+    @property
+    def shared_support(self) -> bool:
+        return self.compressor in _shared_support_sparsifiers()
+
+    # --------------------------------------------------------------------------- comparing
+    def describe(self) -> str:
+        """Canonical ``name=value`` text of every option that must match across ranks."""
+        parts = []
+        for option in dataclasses.fields(self):
+            if option.metadata.get("rank_local"):
+                continue
+            value = getattr(self, option.name)
+            if hasattr(value, "get_config"):
+                value = value.get_config()
+            parts.append(f"{option.name}={value!r}")
+        return " ".join(parts)
+
+    def digest(self) -> str:
+        """A short hash of :meth:`describe` (recorded in checkpoints)."""
+        return hashlib.sha256(self.describe().encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "HookConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _shared_support_sparsifiers() -> frozenset[str]:
+    from ..sparsify.base import sparsifier_classes
+
+    return frozenset(name for name, cls in sparsifier_classes().items() if getattr(cls, "shared_support", False))

@@ -1,0 +1,56 @@
+"""Error-feedback compensation and sparsification of a group's entries."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..feedback import ErrorFeedback, accumulation_dtype
+from ..sparsify import select_global
+from ..sparsify.base import Sparsifier
+from ..stats import ExchangeStats
+from .group import BucketGroup, Entry
+
+
+class Selection:
+    """1. ``compensated = grad + residual`` per entry (float32/64, into a reused buffer);
+    2. an entry whose gradient is all zeros on this rank (a parameter DDP found unused) is marked
+       ``unused``: it selects nothing and keeps its residual whole, so what it owes is neither
+       applied nor lost (for shared supports it sends zeros at the shared positions);
+    3. the sparsifier picks ascending int64 indices per entry (``scope="layer"``) or once over
+       the group (``scope="global"``).
+    A rank whose gradient is not finite selects on zeros instead (shared supports must still
+    agree in size) and leaves its memory untouched.
+    """
+
+    def __init__(self, sparsifier: Sparsifier, feedback: Optional[ErrorFeedback], scope: str,
+                 stats: ExchangeStats) -> None:
+        self.sparsifier = sparsifier
+        self.feedback = feedback
+        self.scope = scope
+        self.stats = stats
+
+    def run(self, group: BucketGroup, step: int, finite: bool) -> None:
+        with self.stats.timer("sparsify"):
+            for entry in group.entries:
+                entry.unused = finite and not bool(entry.grad.any())
+                entry.compensated = self._compensate(entry, finite)
+            if self.scope == "global":  # unused entries hold zeros, which a per-rank support skips
+                selected = select_global(self.sparsifier, [e.compensated for e in group.entries], step=step)
+            else:
+                selected = [self._select_one(entry, step) for entry in group.entries]
+            for entry, indices in zip(group.entries, selected):
+                entry.indices = indices
+
+    def _compensate(self, entry: Entry, finite: bool) -> torch.Tensor:
+        if not finite or entry.unused:  # nothing of it is sent; its residual stays as it is
+            return torch.zeros(entry.numel, dtype=accumulation_dtype(entry.grad), device=entry.grad.device)
+        if self.feedback is not None:
+            return self.feedback.compensate(entry.key, entry.grad)
+        return entry.grad.reshape(-1).to(accumulation_dtype(entry.grad), copy=True)
+
+    def _select_one(self, entry: Entry, step: int) -> torch.Tensor:
+        if entry.unused and not self.sparsifier.shared_support:
+            return torch.zeros(0, dtype=torch.int64, device=entry.compensated.device)
+        return self.sparsifier.select(entry.compensated, step=step, tensor_id=entry.tensor_id)

@@ -1,0 +1,273 @@
+"""``CommHookState``: the hook's options and memory, composed of small named parts.
+
+* :class:`~gradwire.hook.config.HookConfig` — every option, validated, frozen;
+* :class:`~gradwire.hook.selection.Selection` — error feedback + sparsifier;
+* exchange strategies (:mod:`gradwire.hook.strategies`) — how a group travels;
+* :class:`~gradwire.hook.step.StepEnd` — the step's end: wait, agree, resolve;
+* :class:`~gradwire.stats.ExchangeStats` — bytes and seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..exchange import check_same_on_all_ranks, ring_allreduce_bytes
+from ..exchange.collectives import world_size_of
+from ..feedback import ErrorFeedback, MomentumCorrection
+from ..stats import ExchangeStats
+from .config import CAST_VALUE_CODECS, HookConfig
+from .group import BucketGroup, Entry, all_finite, offset_in
+from .selection import Selection
+from .step import StepEnd
+from .strategies import (
+    DenseAllReduce,
+    ExchangeContext,
+    ExchangeStrategy,
+    PayloadAllGather,
+    SharedSupportAllReduce,
+    count_slack,
+)
+
+logger = logging.getLogger("gradwire")
+
+
+class CommHookState:
+    """Options and memory of the gradwire hook; one per DDP model.
+
+    Args:
+        process_group: the group to communicate over (default: the world).
+        config: a :class:`HookConfig`; or give its options as keywords instead:
+        compressor: one of :func:`gradwire.sparsify.sparsifiers` or ``"none"`` (dense AllReduce).
+        density / k / threshold: how much to keep: a fraction in (0, 1], a count per tensor
+            (layer scope) or per model (global), or a magnitude for ``threshold``.
+        value_codec, index_codec: codec names, configs or instances (see ``gradwire.codecs``).
+        codec_options: options routed to the codecs by name (e.g. ``{"bits": 4}`` for qsgd).
+        error_feedback: keep what is not sent and add it to the next step.
+        momentum_correction: DGC's momentum correction with this momentum (e.g. 0.9): momentum
+            is accumulated before sparsification; use the optimizer without momentum then.
+        scope: ``"layer"`` (each parameter keeps its density) or ``"global"`` (one selection over
+            the whole model, made when the iteration's last bucket arrives).
+        collective: ``"auto"`` (cost model), ``"allreduce"`` (shared supports only),
+            ``"allgather"`` or ``"dense"``.
+        seed: shared seed of random supports; every rank must use the same.
+        warmup_steps: dense AllReduce for the first N steps.
+        nonfinite: ``"raise"`` (every rank raises :class:`NonFiniteGradientError`) or ``"skip"``
+            (every rank gets zero gradients for that step; residuals untouched).
+        verify: ``"digest"`` (default: ranks compare a hash of the averaged gradients every step
+            and all raise if they differ) or ``"none"``.
+        collective_timeout: seconds after which an unfinished exchange fails the step on every
+            rank (default 120; gloo's own is 30 minutes).
+        model: the model (DDP-wrapped or not); needed for :meth:`state_dict` names and stable
+            per-parameter random streams.
+        log_every: log :meth:`stats` every N steps at INFO level (0: never).
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, config: Optional[HookConfig] = None,
+                 model: Optional[torch.nn.Module] = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ValueError(f"pass either config= or options, not both (got {', '.join(sorted(options))})")
+        self.config = config if config is not None else HookConfig(**options)
+        self.process_group = process_group
+        self.sparsifier = self.config.build_sparsifier()
+        self.value_codec, self.index_codec = self.config.value_codec, self.config.index_codec
+        self.feedback: Optional[ErrorFeedback] = None
+        if self.config.momentum_correction is not None:
+            self.feedback = MomentumCorrection(self.config.momentum_correction)
+        elif self.config.error_feedback:
+            self.feedback = ErrorFeedback()
+        self.iteration = 0
+        self._stats = ExchangeStats()
+        self._selection = (Selection(self.sparsifier, self.feedback, self.config.scope, self._stats)
+                           if self.sparsifier is not None else None)
+        self._checked = False
+        self._pending: Optional[BucketGroup] = None
+        self._step_groups: list[BucketGroup] = []
+        self._in_flight: list[torch.futures.Future] = []
+        #: built at first use, when the process group is up
+        self._strategies: Optional[dict[str, ExchangeStrategy]] = None
+        self._context: Optional[ExchangeContext] = None
+        self._step_end: Optional[StepEnd] = None
+        self._names: dict[Hashable, str] = {}
+        self._param_index: dict[Hashable, int] = {}
+        if model is not None:
+            self.attach(model)
+
+    # ----------------------------------------------------------------------------- public
+    def __getattr__(self, name: str) -> Any:
+        # options read as attributes (state.compressor, state.density, ...) come from the config
+        config = self.__dict__.get("config")
+        if config is not None and name in HookConfig.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Learn parameter names (for checkpoints) and stable per-parameter ids."""
+        for index, (name, parameter) in enumerate(model.named_parameters()):
+            self._names[id(parameter)] = name
+            self._param_index[id(parameter)] = index
+
+    def stats(self) -> dict[str, float]:
+        """Last step's and cumulative bytes and seconds; see :class:`gradwire.stats.ExchangeStats`."""
+        snapshot = self._stats.snapshot()
+        snapshot["residual_norm"] = self.feedback.norm() if self.feedback is not None else 0.0
+        return snapshot
+
+    def describe(self) -> str:
+        """A canonical string of every option that must match across ranks."""
+        return self.config.describe()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals (and DGC velocities) by parameter name, and the iteration counter."""
+        if self.feedback is not None and self.feedback.residuals and not self._names:
+            raise ValueError("state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
+        out: dict[str, Any] = {"iteration": self.iteration, "config": self.describe()}
+        if self.feedback is not None:
+            out["residuals"] = self.feedback.state_dict(self._names)
+            if isinstance(self.feedback, MomentumCorrection):
+                out["velocities"] = {self._names[k]: v.detach().cpu().clone() for k, v in self.feedback.velocities.items()}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], device: "torch.device | str" = "cpu") -> None:
+        """Restore :meth:`state_dict` output (tensors moved to ``device``, the gradients' device)."""
+        if state.get("config") not in (None, self.describe()):
+            raise ValueError(f"checkpoint was made with other options: {state['config']!r}")
+        if not self._names:
+            raise ValueError("load_state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
+        keys = {name: key for key, name in self._names.items()}
+        unknown = sorted(set(state.get("residuals", {})) - set(keys))
+        if unknown:
+            raise ValueError(f"checkpoint names parameters this model lacks: {', '.join(unknown[:5])}")
+        self.iteration = int(state["iteration"])
+        self._reset_exchange()  # every rank restarts from the same point
+        if self.feedback is not None:
+            device_of = {keys[n]: torch.device(device) for n in state.get("residuals", {})}
+            self.feedback.load_state_dict(state.get("residuals", {}), keys, device_of)
+            if isinstance(self.feedback, MomentumCorrection):
+                self.feedback.velocities = {keys[n]: t.to(device).clone() for n, t in state.get("velocities", {}).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # process groups cannot be pickled (as PyTorch's PowerSGDState does, drop it); neither
+        # can what is in flight, and frame sizes must restart from a length round on every rank
+        state = dict(self.__dict__)
+        state.update(process_group=None, _pending=None, _step_groups=[], _in_flight=[], _strategies=None,
+                     _context=None, _step_end=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # ------------------------------------------------------------------------- the exchange
+    def run_bucket(self, index: int, buffer: torch.Tensor, parameters: Sequence[torch.Tensor],
+                   gradients: Sequence[torch.Tensor], is_last: bool) -> torch.futures.Future:
+        """Process one bucket; returns a Future of ``buffer`` holding the averaged gradient.
+
+        The Future resolves at the step's last bucket, once every rank agreed the step
+        succeeded (see :mod:`gradwire.hook.step`); the exchange itself starts at once.
+        """
+        if not self._checked:
+            check_same_on_all_ranks(self.describe(), self.process_group, timeout=self.config.collective_timeout)
+            self._checked = True
+        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        future: torch.futures.Future = torch.futures.Future(devices=devices)
+        group = self._pending if self._pending is not None else BucketGroup(buffers=[])
+        offset = group.numel
+        for position, (parameter, grad) in enumerate(zip(parameters, gradients)):
+            key = id(parameter)
+            tensor_id = self._param_index.get(key, index * 100_003 + position)
+            group.entries.append(Entry(key, tensor_id, grad, offset + offset_in(buffer, grad)))
+        group.buffers.append(buffer)
+        group.futures.append(future)
+        if self.config.scope == "global" and not is_last and self.iteration >= self.config.warmup_steps:
+            self._pending = group  # exchanged when the iteration's last bucket arrives
+            return future
+        self._pending = None
+        self._step_groups.append(group)
+        try:
+            self._in_flight.append(self._exchange(group))
+        except BaseException as error:  # recorded; every rank fails this step together
+            group.mark_failed(error)
+        if is_last:
+            self._end_step()
+        return future
+
+    def _exchange(self, group: BucketGroup) -> torch.futures.Future:
+        """Choose the group's strategy (the same on every rank) and start it."""
+        strategies = self._strategies_for_step()
+        context = self._context
+        assert context is not None
+        context.stats.add("bytes_dense", ring_allreduce_bytes(group.numel, group.buffers[0].element_size(),
+                                                              context.world_size))
+        finite = all(all_finite(b) for b in group.buffers)
+        config = self.config
+        if self.sparsifier is None or self.iteration < config.warmup_steps or config.collective == "dense":
+            return strategies["dense"].start(group)
+        if finite or self.sparsifier.shared_support:
+            assert self._selection is not None
+            self._selection.run(group, self.iteration, finite)
+        if self.sparsifier.shared_support and (config.collective == "allreduce" or (
+                config.collective == "auto" and self.value_codec.name in CAST_VALUE_CODECS)):
+            return strategies["allreduce"].start(group, finite=finite)
+        return strategies["allgather"].start(group, finite=finite)
+
+    def _strategies_for_step(self) -> dict[str, ExchangeStrategy]:
+        if self._strategies is None:
+            world = world_size_of(self.process_group)
+            rank = dist.get_rank(self.process_group) if world > 1 else 0
+            self._context = ExchangeContext(self.config, self.value_codec, self.index_codec, self.process_group,
+                                            world, rank, self._stats)
+            dense = DenseAllReduce(self._context)
+            self._strategies = {
+                "dense": dense,
+                "allreduce": SharedSupportAllReduce(self._context),
+                "allgather": PayloadAllGather(self._context, dense, count_slack(self.sparsifier)),
+            }
+            self._step_end = StepEnd(self.config, self.process_group, world, self._stats, self.feedback)
+        assert self._context is not None
+        self._context.step = self.iteration
+        return self._strategies
+
+    def _reset_exchange(self) -> None:
+        self._pending, self._step_groups, self._in_flight = None, [], []
+        if self._strategies is not None:
+            for strategy in self._strategies.values():
+                strategy.reset()
+
+    def _end_step(self) -> None:
+        """Wait, settle second rounds, agree, resolve (see :mod:`gradwire.hook.step`)."""
+        groups, in_flight = self._step_groups, self._in_flight
+        self._step_groups, self._in_flight = [], []
+        step_end = self._step_end
+        assert step_end is not None
+        step_end.wait(groups, in_flight, self.iteration)
+        for strategy in (self._strategies or {}).values():
+            try:
+                strategy.settle()
+            except BaseException as error:  # a strategy records its own failures; this is a bug guard
+                for group in groups:
+                    group.mark_failed(error)
+        step_end.finish(groups, self.iteration)
+        self.iteration += 1
+        self._stats.end_step()
+        if self.config.log_every and self.iteration % self.config.log_every == 0:
+            logger.info("gradwire step %d: %s", self.iteration, self.stats())
+
+
+def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: ``ddp_model.register_comm_hook(state, gradwire.comm_hook)``.
+
+    Returns a Future of the bucket's buffer holding the gradient averaged over ranks.
+    """
+    return state.run_bucket(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.gradients(), bucket.is_last())
+
+
+# DDP inspects the hook's annotations at registration; with postponed evaluation they would be
+# strings, so give it the real objects.
+comm_hook.__annotations__ = {
+    "state": CommHookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}

@@ -1,0 +1,58 @@
+"""AllReduce of the values at a support every rank shares (``randomk``, ``randomblock``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...exchange import allreduce_sum, ring_allreduce_bytes
+from ..config import CAST_VALUE_CODECS
+from ..group import BucketGroup
+from .base import ExchangeStrategy, guarded
+
+_WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+assert set(_WIRE_DTYPES) == set(CAST_VALUE_CODECS)
+
+
+class SharedSupportAllReduce(ExchangeStrategy):
+    """1. Gather the compensated values at the shared positions (zeros for unused entries), cast
+       to the wire dtype, and append one element that flags NaN/Inf on this rank;
+    2. SUM AllReduce (no indices travel: every rank drew the same positions from the seed);
+    3. a raised flag marks the group non-finite on every rank alike;
+    4. scatter the averaged values into the output and keep ``compensated - sent`` as residual."""
+
+    name = "allreduce"
+
+    def start(self, group: BucketGroup, *, finite: bool = True) -> torch.futures.Future:
+        context = self.context
+        wire_dtype = _WIRE_DTYPES.get(context.value_codec.name, torch.float32)
+        device = group.device
+        with context.stats.timer("encode"):
+            pieces = [torch.zeros(e.indices.numel(), dtype=e.compensated.dtype, device=e.compensated.device)
+                      if e.unused else e.compensated[e.indices] for e in group.entries]
+            sent = torch.cat(pieces).to(wire_dtype) if pieces else torch.zeros(0, dtype=wire_dtype)
+            flag = torch.tensor([0.0 if finite else 1.0], dtype=wire_dtype, device=sent.device)
+            message = torch.cat([sent, flag]).to(device)
+        world = context.world_size
+        context.stats.add("bytes_sent", ring_allreduce_bytes(message.numel(), message.element_size(), world))
+
+        def finish(summed: torch.Tensor) -> None:
+            if float(summed[-1]) != 0 or not finite:
+                group.mark_nonfinite()
+                return
+            with context.stats.timer("decode"):
+                dtype = group.dtype
+                averaged = summed[:-1].to(dtype) / world
+                out = group.output_buffer(dtype)
+                position = 0
+                for entry in group.entries:
+                    k = entry.indices.numel()
+                    out[entry.offset + entry.indices] = averaged[position: position + k]
+                    group.keep(entry, entry.indices, sent[position: position + k].to(device))
+                    position += k
+                group.write(out)
+
+        started = time.perf_counter()
+        return allreduce_sum(message, context.process_group).then(
+            guarded(context, group, "AllReduce (shared support)", started, finish))
