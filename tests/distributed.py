@@ -91,3 +91,45 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0
                 process.kill()
                 process.join(timeout=5)
     return [results[rank] for rank in range(world_size)]
+
+
+def run_workers_some_die(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
+                         pg_timeout: float = 60.0) -> tuple[dict[int, Any], dict[int, int]]:
+    """Like :func:`run_workers`, for fault tests where some workers are meant to die.
+
+    Returns ``(results, exit_codes)``: ``results`` holds ``(ok, value)`` for every rank that
+    reported (a failure's value is its traceback text), ``exit_codes`` every process's exit code.
+    Raises TimeoutError (after killing every worker) unless every process has exited within
+    ``timeout`` seconds.
+    """
+    import queue as queue_module
+    import time
+
+    context = mp.get_context("spawn")
+    results_queue = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_entry, args=(fn, rank, world_size, port, results_queue, args, pg_timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.exitcode is None for p in processes) or not results_queue.empty():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"workers did not all exit within {timeout} s (reported: ranks {sorted(results)})")
+            try:
+                rank, ok, value = results_queue.get(timeout=min(remaining, 0.5))
+                results[rank] = (ok, value)
+            except queue_module.Empty:
+                continue
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    return results, {rank: p.exitcode for rank, p in enumerate(processes)}

@@ -1,0 +1,173 @@
+"""Failure behaviour on real gloo process groups: a dead peer, a corrupted or non-finite payload.
+
+Every rank must raise (or skip) the same step, within seconds, and no rank may step on
+unreduced or unagreed gradients. ``scripts/fault_trials.py`` repeats the kill test many times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradwire
+
+from .distributed import run_workers, run_workers_some_die
+
+pytestmark = pytest.mark.distributed
+
+#: collective name -> hook options that exercise it
+KILL_CASES = {
+    "dense": {"compressor": "topk", "density": 0.05, "collective": "dense"},
+    "allreduce": {"compressor": "randomblock", "density": 0.05, "collective": "allreduce"},
+    "allgather": {"compressor": "topk", "density": 0.05, "collective": "allgather"},
+    "auto": {"compressor": "topk", "density": 0.05, "collective": "auto"},
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 32, generator=generator), torch.randint(0, 4, (16,), generator=generator)
+
+
+def worker_killed_peer(rank: int, world_size: int, options: dict, victim: int, death_step: int,
+                       stamp_dir: str) -> dict:
+    """Train; ``victim`` SIGKILLs itself at the start of ``death_step`` (after writing the time).
+    Survivors report what they raised, when, and how many optimizer steps they took."""
+    model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets: failures mid-step
+    state = gradwire.CommHookState(model=model, **options)
+    model.register_comm_hook(state, gradwire.comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps_taken = 0
+    for step in range(death_step + 50):
+        if rank == victim and step == death_step:
+            Path(stamp_dir, "death").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.zero_grad()
+        inputs, targets = _batch(rank, step)
+        try:
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        except Exception as error:  # DDP re-raises the hook's error from backward
+            return {"raised_at": time.time(), "error": f"{type(error).__name__}: {error}", "steps": steps_taken,
+                    "step": step}
+        optimizer.step()
+        steps_taken += 1
+    return {"raised_at": None, "error": None, "steps": steps_taken, "step": None}
+
+
+def kill_trial(case: str, world_size: int = 3, victim: int = 1, death_step: int = 3,
+               tmp: Path | None = None) -> list[dict]:
+    """One trial: per survivor, its report plus ``seconds_after_death``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=tmp) as stamp_dir:
+        results, exit_codes = run_workers_some_die(worker_killed_peer, world_size, KILL_CASES[case], victim,
+                                                   death_step, stamp_dir, timeout=120, pg_timeout=60)
+        died_at = float(Path(stamp_dir, "death").read_text())
+    assert exit_codes[victim] == -signal.SIGKILL, exit_codes
+    reports = []
+    for rank in range(world_size):
+        if rank == victim:
+            continue
+        ok, report = results.get(rank, (False, "no report"))
+        assert ok, f"rank {rank}: {report}"
+        report["rank"] = rank
+        report["seconds_after_death"] = report["raised_at"] - died_at if report["raised_at"] else None
+        reports.append(report)
+    return reports
+
+
+@pytest.mark.parametrize("case", sorted(KILL_CASES))
+def test_every_survivor_raises_within_seconds_when_a_peer_dies(case: str, tmp_path: Path) -> None:
+    for report in kill_trial(case, tmp=tmp_path):
+        assert report["error"] is not None, f"rank {report['rank']} trained on: {report}"
+        assert report["step"] == 3 and report["steps"] == 3, report  # no optimizer step after the death
+        assert report["seconds_after_death"] < 10, report
+
+
+class _Tamper:
+    """Makes rank ``rank``'s encoder send a payload other than the one it reconstructs for itself."""
+
+    def __init__(self, rank: int, step_of, mode: str) -> None:
+        self.rank, self.step_of, self.mode = rank, step_of, mode
+
+    def install(self, my_rank: int) -> None:
+        import gradwire.codecs as codec_layer
+
+        honest = codec_layer.encode_tensors
+        tamper = self
+
+        def encode(tensors, *args, **kwargs):
+            encoded = honest(tensors, *args, **kwargs)
+            if my_rank != tamper.rank or tamper.step_of() != 1:
+                return encoded
+            if tamper.mode == "checksum":  # a flipped byte: the receivers' checksum fails
+                payload = bytearray(encoded.payload)
+                payload[len(payload) // 2] ^= 0x40
+                return type(encoded)(bytes(payload), encoded.tensors)
+            # a valid payload of other values (what a flip with a recomputed checksum amounts to)
+            values, indices, numel = tensors[0]
+            changed = values.clone()
+            changed[0] = float("nan") if tamper.mode == "nan" else changed[0] * 3 + 1
+            forged = honest([(changed, indices, numel), *tensors[1:]], *args, **kwargs)
+            return type(encoded)(forged.payload, encoded.tensors)
+
+        codec_layer.encode_tensors = encode
+
+
+def worker_tampered(rank: int, world_size: int, mode: str, policy: str) -> dict:
+    model = DDP(_model())
+    state = gradwire.CommHookState(compressor="topk", density=0.1, collective="allgather", nonfinite=policy,
+                                   model=model)
+    model.register_comm_hook(state, gradwire.comm_hook)
+    _Tamper(1, lambda: state.iteration, mode).install(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outcome = {}
+    for step in range(3):
+        optimizer.zero_grad()
+        inputs, targets = _batch(rank, step)
+        before = {key: value.clone() for key, value in state.feedback.residuals.items()}
+        try:
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        except Exception as error:
+            outcome = {"step": step, "error": type(error).__name__ + ": " + str(error)[:300]}
+            unchanged = all(torch.equal(state.feedback.residuals[k], v) for k, v in before.items())
+            outcome["residuals_unchanged"] = unchanged and state.feedback.residuals.keys() == before.keys()
+            break
+        optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    outcome["parameters"] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    outcome["skipped"] = state.stats()["skipped_steps"]
+    return outcome
+
+
+@pytest.mark.parametrize("mode, expected", [("checksum", r"checksum mismatch|step 1 failed on rank\(s\) \[0, 2\]"),
+                                            ("value", "averaged gradients differ between ranks"),
+                                            ("nan", "NaN or Inf in gradients at step 1")])
+def test_a_tampered_payload_fails_the_same_step_on_every_rank(mode: str, expected: str) -> None:
+    import re
+
+    outcomes = run_workers(worker_tampered, 3, mode, "raise", timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get("step") == 1, (rank, outcome)
+        assert re.search(expected, outcome["error"]), (rank, outcome["error"])  # DDP re-wraps the type
+        assert outcome["residuals_unchanged"], rank
+    assert len({o["parameters"] for o in outcomes}) == 1
+
+
+def test_a_nonfinite_payload_is_skipped_on_every_rank() -> None:
+    outcomes = run_workers(worker_tampered, 2, "nan", "skip", timeout=120)
+    assert [o["skipped"] for o in outcomes] == [1, 1]
+    assert all("step" not in o for o in outcomes), outcomes
+    assert outcomes[0]["parameters"] == outcomes[1]["parameters"]

@@ -1,0 +1,132 @@
+"""The hook's parts on their own: the config, the frame-size protocol, the step's agreement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gradwire.hook import CommHookState, HookConfig
+from gradwire.hook.frames import FrameSizes
+from gradwire.hook.group import BucketGroup, Entry
+
+from .distributed import run_workers
+
+
+# ------------------------------------------------------------------------------------ config
+def test_every_compared_option_reaches_the_description() -> None:
+    """Changing any field not marked rank-local changes describe(), so the cross-rank check sees it."""
+    base = HookConfig(compressor="topk", density=0.05)
+    changes = {"compressor": "sampled-topk", "density": 0.1, "value_codec": "fp16", "index_codec": "rice",
+               "codec_options": {"degree": 2}, "error_feedback": False, "momentum_correction": 0.9,
+               "scope": "global", "collective": "allgather", "hierarchy": 2, "seed": 7, "warmup_steps": 3,
+               "nonfinite": "skip", "verify": "none"}
+    compared = {f.name for f in dataclasses.fields(HookConfig) if not f.metadata.get("rank_local")}
+    assert compared - {"k", "threshold"} == set(changes)
+    for name, value in changes.items():
+        if name == "codec_options":
+            changed = HookConfig(compressor="topk", density=0.05, value_codec="polyfit", codec_options=value)
+            assert changed.describe() != HookConfig(compressor="topk", density=0.05, value_codec="polyfit").describe()
+            continue
+        assert base.replace(**{name: value}).describe() != base.describe(), name
+    assert base.replace(log_every=5, collective_timeout=9.0).describe() == base.describe()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"compressor": "topq"}, "compressor='topq' is not supported; allowed:"),
+    ({"scope": "model"}, "scope='model' is not supported; allowed: layer, global"),
+    ({"collective": "bcast"}, "collective='bcast' is not supported; allowed:"),
+    ({"nonfinite": "ignore"}, "nonfinite='ignore' is not supported; allowed: raise, skip"),
+    ({"verify": "sha"}, "verify='sha' is not supported; allowed: digest, none"),
+    ({"warmup_steps": -1}, "warmup_steps=-1 must be"),
+    ({"collective_timeout": 0}, "collective_timeout=0 must be"),
+    ({"hierarchy": 0}, "hierarchy=0 is not supported"),
+    ({"compressor": "topk", "collective": "allreduce"}, "needs a shared support"),
+    ({"compressor": "randomk", "collective": "allreduce", "value_codec": "qsgd"}, "value_codec must be one of"),
+])
+def test_invalid_options_name_the_option(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        HookConfig(**options)
+
+
+def test_state_takes_a_config_or_keywords_and_reads_options_from_it() -> None:
+    config = HookConfig(compressor="randomblock", density=0.2)
+    state = CommHookState(config=config)
+    assert state.compressor == "randomblock" and state.density == 0.2 and state.config is config
+    assert CommHookState(compressor="randomblock", density=0.2).describe() == state.describe()
+    with pytest.raises(ValueError, match="either config= or options"):
+        CommHookState(config=config, density=0.3)
+
+
+# ------------------------------------------------------------------------------------ frames
+def test_frames_start_unknown_then_follow_the_longest_payload() -> None:
+    frames = FrameSizes(headroom=0.1, slack_bytes=64, shrink=0.95)
+    assert frames.capacity("a") is None
+    assert frames.learn("a", [100, 1000, 500]) == 1100 + 64
+    assert frames.learn("a", [2000, 10, 10]) == 2200 + 64  # grows at once
+    assert frames.learn("a", [10, 10, 10]) == int(2264 * 0.95)  # shrinks by at most 5% per step
+    assert frames.capacity("b") is None and len(frames) == 1
+
+
+def test_frames_forget_and_reset() -> None:
+    frames = FrameSizes()
+    frames.learn("a", [10])
+    frames.learn("b", [10])
+    frames.forget("a")
+    assert frames.capacity("a") is None and frames.capacity("b") is not None
+    frames.reset()
+    assert len(frames) == 0
+
+
+def test_frames_refuse_bad_parameters() -> None:
+    with pytest.raises(ValueError, match="shrink"):
+        FrameSizes(shrink=0)
+
+
+# ------------------------------------------------------------------------------------ groups
+def test_group_signature_follows_layout() -> None:
+    buffer = torch.zeros(10)
+    group = BucketGroup(buffers=[buffer], entries=[Entry("w", 3, buffer[:6], 0), Entry("b", 4, buffer[6:], 6)])
+    assert group.signature() == (10, 3, 4)
+    assert group.output_buffer(torch.float32).data_ptr() == buffer.data_ptr()
+
+
+# ------------------------------------------------------------------ unused parameters (DDP)
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(8, 8)
+        self.used = torch.nn.Linear(8, 2)
+        self.spare = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_spare: bool) -> torch.Tensor:
+        return (self.spare if use_spare else self.used)(torch.relu(self.trunk(x)))
+
+
+def worker_unused(rank: int, world_size: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradwire
+
+    model = DDP(_TwoHeads(), find_unused_parameters=True)
+    state = gradwire.CommHookState(compressor="topk", density=0.25, collective="allgather", model=model)
+    model.register_comm_hook(state, gradwire.comm_hook)
+    names = {id(p): n for n, p in model.named_parameters()}
+    keys = {n: k for k, n in names.items()}
+    generator = torch.Generator().manual_seed(rank)
+    # step 0 uses the spare head (builds its residual); steps 1-3 leave it unused on every rank
+    for step in range(4):
+        model.zero_grad()
+        model(torch.randn(4, 8, generator=generator), use_spare=step == 0).sum().backward()
+        if step == 0:
+            owed = state.feedback.residual(keys["module.spare.weight"]).clone()
+    # plain lists: tensors in a multiprocessing queue travel as file descriptors of a dead process
+    return {"owed_before": owed.tolist(), "owed_after": state.feedback.residual(keys["module.spare.weight"]).tolist()}
+
+
+def test_unused_parameters_keep_their_whole_residual() -> None:
+    for result in run_workers(worker_unused, 2, timeout=90):
+        assert any(value != 0 for value in result["owed_before"])  # something was owed after step 0
+        assert result["owed_before"] == result["owed_after"]  # and none of it was lost
