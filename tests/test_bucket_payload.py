@@ -31,14 +31,15 @@ def test_round_trip_puts_every_value_at_its_place(index_codec: str, layout: str)
     parts = _parts(offsets, sizes)
     total = sum(sizes)
     value_codec, index = codecs.resolve_codecs("fp32", index_codec, {})
-    encoded = encode_bucket(parts, total, index, value_codec)
-    positions, values = decode_bucket(memoryview(encoded.payload), sizes, offsets, total, index)
+    encoded = encode_bucket(parts, total, index_codec=index, value_codec=value_codec)
+    positions, values = decode_bucket(memoryview(encoded.payload), sizes, offsets, total, index_codec=index)
 
     received = torch.zeros(total).index_add_(0, positions, values)
     own = torch.zeros(total).index_add_(0, encoded.positions, encoded.values)
     assert torch.equal(received, own)  # this rank's reconstruction is what peers decode
     expected = torch.zeros(total)
-    for part, (indices, sent) in zip(parts, encoded.sent):
+    for part, sparse in zip(parts, encoded.sent):
+        indices, sent = sparse.indices, sparse.values
         expected[part.offset + indices] = sent
         assert torch.equal(sent, part.compensated[indices])  # fp32: lossless
         if joins(index):
@@ -50,7 +51,7 @@ def test_joined_payload_is_one_record_and_no_larger() -> None:
     sizes, offsets = [4096, 8, 8, 20000], [0, 4096, 4104, 4112]
     parts = _parts(offsets, sizes, density=0.01)
     value_codec, index = codecs.resolve_codecs("fp16", "rice", {})
-    joined = encode_bucket(parts, sum(sizes), index, value_codec)
+    joined = encode_bucket(parts, sum(sizes), index_codec=index, value_codec=value_codec)
     separate = codecs.encode_tensors([(p.compensated[p.indices], p.indices, p.compensated.numel()) for p in parts],
                                      index, value_codec)
     assert len(codecs.decode_tensors(joined.payload)) == 1
@@ -60,8 +61,8 @@ def test_joined_payload_is_one_record_and_no_larger() -> None:
 def test_payload_of_other_sizes_is_refused() -> None:
     sizes, offsets = [1000, 2000], [0, 1000]
     value_codec, index = codecs.resolve_codecs("fp32", "rice", {})
-    encoded = encode_bucket(_parts(offsets, sizes), 3000, index, value_codec)
+    encoded = encode_bucket(_parts(offsets, sizes), 3000, index_codec=index, value_codec=value_codec)
     with pytest.raises(DecodeError):
-        decode_bucket(memoryview(encoded.payload), [1000, 2001], [0, 1000], 3001, index)
+        decode_bucket(memoryview(encoded.payload), [1000, 2001], [0, 1000], 3001, index_codec=index)
     with pytest.raises(DecodeError):
-        decode_bucket(memoryview(encoded.payload[:-3]), sizes, offsets, 3000, index)
+        decode_bucket(memoryview(encoded.payload[:-3]), sizes, offsets, 3000, index_codec=index)

@@ -26,6 +26,7 @@ import torch
 
 from . import codecs as codec_layer
 from .codecs.base import IndexCodec, ValueCodec
+from .sparse import SparseTensor
 
 
 @dataclass
@@ -44,13 +45,13 @@ class EncodedBucket:
 
     ``positions`` (int64, ascending within each part) and ``values`` (the parts' dtype): the
     reconstruction in the group's flat space, what this rank adds for itself. ``sent``: per part,
-    ``(indices, values)`` in that part's own space, for error feedback.
+    what its receivers reconstruct, in that part's own space, for error feedback.
     """
 
     payload: bytes
     positions: torch.Tensor
     values: torch.Tensor
-    sent: list[tuple[torch.Tensor, torch.Tensor]]
+    sent: list[SparseTensor]
 
 
 def joins(index_codec: IndexCodec) -> bool:
@@ -58,7 +59,7 @@ def joins(index_codec: IndexCodec) -> bool:
     return index_codec.lossless
 
 
-def encode_bucket(parts: Sequence[Part], group_numel: int, index_codec: IndexCodec,
+def encode_bucket(parts: Sequence[Part], group_numel: int, *, index_codec: IndexCodec,
                   value_codec: ValueCodec) -> EncodedBucket:
     """Encode the parts of one group (``group_numel`` elements in its flat space)."""
     if parts and joins(index_codec):
@@ -77,18 +78,19 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, index_codec: IndexCod
         else:
             part_values = received
         counts = [p.indices.numel() for p in parts]
-        sent = list(zip((p.indices for p in parts), torch.split(part_values, counts)))
+        sent = [SparseTensor(values, p.indices, p.compensated.numel())
+                for p, values in zip(parts, torch.split(part_values, counts))]
         return EncodedBucket(encoded.payload, positions, received, sent)
     encoded = codec_layer.encode_tensors(
         [(p.compensated[p.indices], p.indices, p.compensated.numel()) for p in parts],
         index_codec, value_codec, check=False, dense=[p.compensated for p in parts],
     )
-    sent = [(t.indices, t.values) for t in encoded.tensors]
+    sent = [SparseTensor(t.values, t.indices, p.compensated.numel()) for t, p in zip(encoded.tensors, parts)]
     positions, values = _flatten([(t.values, t.indices) for t in encoded.tensors], [p.offset for p in parts])
     return EncodedBucket(encoded.payload, positions, values, sent)
 
 
-def decode_bucket(data: memoryview, numels: Sequence[int], offsets: Sequence[int], group_numel: int,
+def decode_bucket(data: memoryview, numels: Sequence[int], offsets: Sequence[int], group_numel: int, *,
                   index_codec: IndexCodec) -> tuple[torch.Tensor, torch.Tensor]:
     """A peer's payload as ``(positions, values)`` in the group's flat space.
 

@@ -65,7 +65,8 @@ class PayloadAllGather(ExchangeStrategy):
         if finite:
             with context.stats.timer("encode"):
                 parts = [Part(e.compensated, e.indices, e.offset) for e in group.entries]
-                encoded = encode_bucket(parts, group.numel, context.index_codec, context.value_codec)
+                encoded = encode_bucket(parts, group.numel, index_codec=context.index_codec,
+                                        value_codec=context.value_codec)
         payload = encoded.payload if encoded is not None else b""
         capacity = self.frames.capacity(group.signature()) if context.world_size > 1 else None
         if capacity is None:
@@ -187,14 +188,14 @@ class PayloadAllGather(ExchangeStrategy):
             if not all_finite(out):  # a peer's payload held NaN/Inf values: treat as its gradient
                 group.mark_nonfinite()
                 return
-            for entry, (indices, values) in zip(group.entries, encoded.sent):
-                group.keep(entry, indices.to(device), values.to(device))
+            for entry, sent in zip(group.entries, encoded.sent):
+                group.keep(entry, sent.indices.to(device), sent.values.to(device))
             group.write(out)
 
     def _decode_from(self, source: int, data: memoryview, group: BucketGroup) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return decode_bucket(data, [e.numel for e in group.entries], [e.offset for e in group.entries],
-                                 group.numel, self.context.index_codec)
+                                 group.numel, index_codec=self.context.index_codec)
         except DecodeError as error:
             raise DecodeError(f"payload from rank {source} at step {self.context.step}: {error}") from error
 
