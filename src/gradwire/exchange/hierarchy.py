@@ -57,23 +57,28 @@ class Hierarchy:
     cross: Optional[dist.ProcessGroup]
 
 
-def build_hierarchy(local_size: int) -> Hierarchy:
-    """Create the intra- and cross-node groups of the default (world) group.
+def build_hierarchy(local_size: int, ranks: Optional[Sequence[int]] = None) -> Optional[Hierarchy]:
+    """Create the intra- and cross-node groups over ``ranks`` (global ranks, default: the world;
+    node n is ``ranks[n*local_size : (n+1)*local_size]``). Returns None on ranks not in ``ranks``.
 
-    Collective: every rank must call it, in the same order relative to other group creations.
-    ``local_size`` must divide the world size (``ValueError`` naming both otherwise).
+    Collective over the whole world: every rank must call it with the same arguments, in the same
+    order relative to other group creations (``dist.new_group``'s rule). ``local_size`` must divide
+    ``len(ranks)`` (``ValueError`` naming both otherwise).
     """
     world, rank = group_size(None), group_rank(None)
-    if local_size < 1 or world % local_size:
-        raise ValueError(f"local_size={local_size} must be >= 1 and divide the world size {world}")
-    nodes = world // local_size
+    members = list(range(world)) if ranks is None else [int(r) for r in ranks]
+    if local_size < 1 or not members or len(members) % local_size:
+        raise ValueError(f"local_size={local_size} must be >= 1 and divide the number of ranks {len(members)}")
+    nodes = len(members) // local_size
     if world == 1:
         return Hierarchy(1, 1, 0, 0, None, None)
     intra, _ = dist.new_subgroups_by_enumeration(
-        [list(range(n * local_size, (n + 1) * local_size)) for n in range(nodes)])
-    cross, _ = dist.new_subgroups_by_enumeration(
-        [list(range(j, world, local_size)) for j in range(local_size)])
-    return Hierarchy(nodes, local_size, rank // local_size, rank % local_size, intra, cross)
+        [members[n * local_size: (n + 1) * local_size] for n in range(nodes)])
+    cross, _ = dist.new_subgroups_by_enumeration([members[j::local_size] for j in range(local_size)])
+    if rank not in members:
+        return None
+    position = members.index(rank)
+    return Hierarchy(nodes, local_size, position // local_size, position % local_size, intra, cross)
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,7 @@ def hierarchical_sparse_allreduce(*, dense: torch.Tensor, k: int, hierarchy: Hie
     parts = [part.reshape(-1) for part in torch.split(gathered, lengths)]
     finite = all(bool(part[0]) for part in parts)
     words = torch.cat([part[1:] for part in parts]).reshape(-1, 3) if finite else torch.zeros(0, 3, dtype=torch.int32, device=entries.device)
-    indices = words[:, :2].contiguous().view(torch.int64).reshape(-1)
+    indices = words[:, :2].reshape(-1).view(torch.int64)
     values = words[:, 2].contiguous().view(torch.float32)
     sent = {"intra-node reduce-scatter": intra_bytes,
             "intra-node allgather": 4 * block.numel() * (hierarchy.local_size - 1) + 8 * (hierarchy.local_size - 1)}

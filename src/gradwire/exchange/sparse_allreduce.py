@@ -317,7 +317,7 @@ def _decode(codec: Optional[RegionCodec], chunk: torch.Tensor, length: int, wide
         if chunk.numel() % entry:
             raise DecodeError(f"{WHAT}: {what} has {chunk.numel()} bytes, not a multiple of {entry}")
         words = chunk.clone().view(torch.int32).reshape(-1, entry // 4)
-        relative = words[:, :2].contiguous().view(torch.int64).reshape(-1) if wide else words[:, 0].to(torch.int64)
+        relative = words[:, :2].reshape(-1).view(torch.int64) if wide else words[:, 0].to(torch.int64)
         values = words[:, -1].contiguous().view(torch.float32)
     else:
         relative, values = codec.decode(chunk.cpu().numpy().tobytes(), length)
