@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from gradwire.errors import DecodeError
 from gradwire.exchange.checked import CollectiveError
 from gradwire.exchange.regions import balanced_boundaries, check_boundaries, equal_boundaries
-from gradwire.exchange.sparse_allreduce import agreed_threshold, region_summary, sparse_allreduce
+from gradwire.exchange.sparse_allreduce import _from_wire, _to_wire, agreed_threshold, region_summary, sparse_allreduce
 
 from ..distributed import _entry, free_port, run_workers
 from .codec_adapters import FailingOnRank, Fp16Adapter
@@ -127,6 +127,7 @@ def _check_exchange(results: list[dict], numel: int, world_size: int) -> torch.T
         assert r["sent"]["reduce-scatter"] == 8 * outside
         in_region = int(((indices >= bounds[rank]) & (indices < bounds[rank + 1])).sum())
         assert r["sent"]["allgather"] == 8 * (world_size - 1) * in_region
+        assert r["sent"]["summary"] == 4 * (256 + 2) * (world_size - 1)
     return indices
 
 
@@ -205,6 +206,13 @@ def test_agreed_threshold_is_exact_for_small_regions_and_keeps_ties() -> None:
     assert agreed_threshold(rows, 3) == 3.0
     tied = torch.stack([region_summary(torch.tensor([2.0, 2.0, 2.0, 1.0]), 8), region_summary(torch.tensor([2.0]), 8)])
     assert agreed_threshold(tied, 2) == 2.0  # all four 2.0s survive: ties never split by rank order
+
+
+def test_summary_rows_survive_the_wire() -> None:
+    rows = torch.stack([region_summary(torch.rand(1000), 8), region_summary(torch.rand(3), 8),
+                        region_summary(torch.rand(5), 8, status=-1.0)])
+    rows[1, 0] = 2.0**40  # counts beyond int32
+    assert torch.equal(_from_wire(torch.stack([_to_wire(row) for row in rows])), rows)
 
 
 def _decode_failure(rank: int, group: dist.ProcessGroup) -> str:

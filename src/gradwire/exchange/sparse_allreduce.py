@@ -16,7 +16,7 @@ flat space of ``numel`` positions, cut into ``p`` regions (:mod:`.regions`); ran
 
 **Volume per worker** (entries of ``e`` bytes; no overlap between ranks' supports, balanced
 regions): ``(p-1)/p * k`` in step 1 plus ``(p-1) * k/p`` in step 4, i.e. about ``2k(p-1)/p``
-entries, plus ``(p-1) * 8 (summary_size + 1)`` summary bytes and three tiny count rounds. An
+entries, plus ``(p-1) * 4 (summary_size + 2)`` summary bytes and two tiny count rounds. An
 imbalanced region costs its owner up to ``(p-1) * k`` in step 4; :func:`.balanced_boundaries` keeps
 regions even. The exact bytes this rank handed to the collectives (its own share excluded) are in
 ``SparseAllreduceResult.bytes_sent``.
@@ -161,9 +161,9 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
         sums = torch.empty(0, dtype=torch.float32, device=device)
 
     # 3. agree on a threshold from every region's summary
-    summary = region_summary(sums.abs(), summary_size, status=status).to(device)
-    rows = allgather_tensor(summary, group, what=WHAT, collective="summary all_gather").cpu()
-    sent["summary"] = (size - 1) * summary.numel() * 8
+    summary = _to_wire(region_summary(sums.abs(), summary_size, status=status)).to(device)
+    rows = _from_wire(allgather_tensor(summary, group, what=WHAT, collective="summary all_gather").cpu())
+    sent["summary"] = (size - 1) * summary.numel() * 4
     statuses = rows[:, 0]
     if bool((statuses == _DECODE_FAILED).any()):
         failed = (statuses == _DECODE_FAILED).nonzero().reshape(-1).tolist()
@@ -221,6 +221,19 @@ def region_summary(magnitudes: torch.Tensor, size: int, *, status: float = 0.0) 
         ordered = torch.sort(magnitudes.float(), descending=True).values.cpu().double()
         row[1:1 + min(n, size)] = ordered if n <= size else ordered[_sample_ranks(n, size)]
     return row
+
+
+def _to_wire(row: torch.Tensor) -> torch.Tensor:
+    """A summary row as int32 words: the count (int64, 2 words), then the float32 magnitudes' bits
+    (the magnitudes are float32 sums, so nothing is lost; half the bytes of float64)."""
+    count = torch.tensor([int(row[0])], dtype=torch.int64).view(torch.int32)
+    return torch.cat([count, row[1:].float().view(torch.int32)])
+
+
+def _from_wire(words: torch.Tensor) -> torch.Tensor:
+    """Gathered wire rows ``(p, size + 2)`` int32 back to float64 summary rows ``(p, size + 1)``."""
+    counts = words[:, :2].reshape(-1).view(torch.int64).double()
+    return torch.cat([counts[:, None], words[:, 2:].contiguous().view(torch.float32).double()], dim=1)
 
 
 def _sample_ranks(n: int, size: int) -> torch.Tensor:
