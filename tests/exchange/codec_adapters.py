@@ -39,3 +39,17 @@ class FailingOnRank(Fp16Adapter):
         if torch.distributed.get_rank() == self.failing_rank:
             raise DecodeError("corrupt payload (test)")
         return super().decode(data, numel)
+
+
+class DyingOnRank(Fp16Adapter):
+    """The process of one rank dies when it starts decoding (mid-exchange, after the reduce-scatter)."""
+
+    def __init__(self, dying_rank: int) -> None:
+        self.dying_rank = dying_rank
+
+    def decode(self, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.distributed.get_rank() == self.dying_rank:
+            import os
+
+            os._exit(1)
+        return super().decode(data, numel)

@@ -22,7 +22,7 @@ from gradwire.exchange.regions import balanced_boundaries, check_boundaries, equ
 from gradwire.exchange.sparse_allreduce import _from_wire, _to_wire, agreed_threshold, region_summary, sparse_allreduce
 
 from ..distributed import _entry, free_port, run_workers
-from .codec_adapters import FailingOnRank, Fp16Adapter
+from .codec_adapters import DyingOnRank, FailingOnRank, Fp16Adapter
 
 NUMEL = 2000
 
@@ -231,13 +231,16 @@ def test_an_undecodable_payload_fails_every_rank_together(every_size: list[dict]
     assert all("rank(s) [1] could not decode" in m for m in messages), messages
 
 
-def _peer_dies(rank: int, world_size: int, results) -> None:
+def _peer_dies(rank: int, world_size: int, results, when: str) -> None:
     idx = torch.arange(rank, 1000, world_size)
     kwargs = dict(indices=idx, values=torch.ones(idx.numel()), numel=1000, k=50,
                   boundaries=equal_boundaries(1000, world_size))
-    sparse_allreduce(**kwargs)
-    if rank == world_size - 1:
-        os._exit(1)  # a peer dies between two steps
+    if when == "between steps":
+        sparse_allreduce(**kwargs)
+        if rank == world_size - 1:
+            os._exit(1)
+    else:  # the last rank dies when it decodes what it received, after the reduce-scatter
+        kwargs["codec"] = DyingOnRank(world_size - 1)
     start = time.monotonic()
     try:
         sparse_allreduce(**kwargs)
@@ -246,16 +249,19 @@ def _peer_dies(rank: int, world_size: int, results) -> None:
         results.put((rank, str(error), time.monotonic() - start))
 
 
-def _dying_entry(rank, world_size, port, results):
-    _entry(_peer_dies, rank, world_size, port, queue_module.SimpleQueue(), (results,), 20.0)
+def _dying_entry(rank, world_size, port, results, when):
+    _entry(_peer_dies, rank, world_size, port, queue_module.SimpleQueue(), (results, when), 20.0)
 
 
 @pytest.mark.distributed
-def test_a_dead_peer_makes_every_survivor_raise_within_seconds() -> None:
+@pytest.mark.parametrize("when, collective", [("between steps", "reduce-scatter all_to_all_single (counts)"),
+                                              ("mid-exchange", "summary all_gather")])
+def test_a_dead_peer_makes_every_survivor_raise_within_seconds(when: str, collective: str) -> None:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_dying_entry, args=(rank, 3, port, results), daemon=True) for rank in range(3)]
+    processes = [context.Process(target=_dying_entry, args=(rank, 3, port, results, when), daemon=True)
+                 for rank in range(3)]
     for process in processes:
         process.start()
     try:
@@ -266,5 +272,5 @@ def test_a_dead_peer_makes_every_survivor_raise_within_seconds() -> None:
             if process.is_alive():
                 process.kill()
     for rank, message, elapsed in got:
-        assert message.startswith("sparse_allreduce: reduce-scatter all_to_all_single (counts) failed"), message
+        assert message.startswith(f"sparse_allreduce: {collective} failed"), message
         assert elapsed < 10, (rank, elapsed)

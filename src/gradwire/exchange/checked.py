@@ -4,9 +4,10 @@ A failed ``Work`` (a peer died, the connection broke, the group timed out) must 
 rank go on with a buffer the collective did not write. Every function here waits on its work
 and turns any failure into :class:`CollectiveError` (``"<what>: <collective> failed: ..."``).
 
-Uneven exchanges use ``all_to_all_single`` with split sizes (works on gloo and NCCL), after a
-round that tells every receiver what it gets: gloo has no uneven list ``all_to_all`` and no
-``all_gather`` of uneven sizes, and padding would make the busiest rank set everyone's volume.
+Everything runs as ``all_to_all_single`` (works on gloo and NCCL; uneven ones with split sizes,
+after a round that tells every receiver what it gets): gloo has no uneven list ``all_to_all`` and
+no ``all_gather`` of uneven sizes, padding would make the busiest rank set everyone's volume, and
+a full-mesh exchange lets every survivor notice a dead peer itself (see :func:`allgather_tensor`).
 A world of one never touches ``torch.distributed``.
 """
 
@@ -42,13 +43,19 @@ def wait_checked(work: object, what: str, collective: str) -> None:
 
 def allgather_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
                      collective: str) -> torch.Tensor:
-    """All ranks' equally shaped ``tensor``s stacked in rank order: shape ``(p, *tensor.shape)``."""
+    """All ranks' equally shaped ``tensor``s stacked in rank order: shape ``(p, *tensor.shape)``.
+
+    Runs as an ``all_to_all_single`` (each rank sends its tensor to every peer: the same
+    ``(p-1) * size`` bytes as a ring) so that every rank talks to every peer directly: a dead peer
+    fails each survivor's own transfer at once, where in a ring a survivor two hops away would wait
+    for a neighbour that has already given up, until the group's timeout."""
     size = group_size(group)
     if size == 1:
         return tensor.unsqueeze(0).clone()
-    gathered = [torch.empty_like(tensor) for _ in range(size)]
-    wait_checked(dist.all_gather(gathered, tensor, group=group, async_op=True), what, collective)
-    return torch.stack(gathered)
+    flat = tensor.reshape(-1)
+    gathered = torch.empty(size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+    wait_checked(dist.all_to_all_single(gathered, flat.repeat(size), group=group, async_op=True), what, collective)
+    return gathered.reshape(size, *tensor.shape)
 
 
 def allreduce_sum_checked(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
