@@ -1,0 +1,138 @@
+"""α–β–γ time model of every exchange strategy, and the choice of the cheapest.
+
+A strategy is predicted to take, per step and per bucket,
+
+    time = α · rounds  +  β · bytes  +  γ · decoded_entries
+
+* ``rounds``: message steps one after another on the critical path (a ring AllReduce over p ranks
+  takes ``2(p-1)``, a ring AllGather ``p-1``, a pairwise ``all_to_all`` ``p-1``);
+* ``bytes``: what one worker sends (the busiest worker, where the strategy is uneven);
+* ``decoded_entries``: sparse entries this worker decodes and adds (its CPU work after the wire);
+* α (seconds per round), β (seconds per byte of one worker's link), γ (seconds per decoded entry),
+  configured or measured at start-up. Hierarchical exchange has a second link, ``intra`` (in-node
+  α, β), for its in-node traffic; the others run entirely on the (slow) ``link``.
+
+Per worker, for a flat gradient of ``n`` float32 elements, ``k`` entries kept, ``e`` bytes per
+coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes, ``S`` summary size):
+
+=========================  ==============  ===============================================  ============
+strategy                   rounds          bytes                                            decoded
+=========================  ==============  ===============================================  ============
+dense ring AllReduce       2(p-1)          2(p-1)/p · 4n                                    0
+shared-support AllReduce   2(p-1)          2(p-1)/p · v(k+1)   (v: bytes per value)         0
+payload AllGather          (p-1)·r         (p-1) · (k e + h)   (r: 2 with a length round)   (p-1) k
+sparse AllReduce           5(p-1)          (p-1)/p · k e + (p-1) · ι k/p · e                2k
+                                           + (p-1) · 4(S+6)    (ι: busiest region / mean)
+hierarchical (intra)       4(L-1)          (L-1)/L · 4n + (L-1) · (12 k/L + 20)             (L-1) k/L
+hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nodes
+=========================  ==============  ===============================================  ============
+
+The sparse AllReduce's five rounds are the counts and data of its reduce-scatter, the summary
+AllGather, and the lengths and data of its AllGather (:mod:`.sparse_allreduce`); its bytes are
+those its code hands to the collectives (contributions assumed disjoint: the worst case for the
+reduce-scatter). :func:`choose` is a pure function of its arguments: ranks that pass the same
+numbers choose the same strategy; it never returns a strategy predicted slower than dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+#: Strategies in the order ties are broken (dense first: never trade it for an equal prediction).
+STRATEGIES = ("dense", "shared-support", "allgather", "sparse-allreduce", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Link:
+    """``alpha``: seconds per round; ``beta``: seconds per byte one worker sends."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"alpha={self.alpha} and beta={self.beta} must be >= 0")
+
+    @classmethod
+    def from_rate(cls, gbit_per_s: float, alpha: float = 20e-6) -> "Link":
+        """A link of ``gbit_per_s`` line rate (β = 8 / rate) and ``alpha`` seconds per round."""
+        if gbit_per_s <= 0:
+            raise ValueError(f"gbit_per_s={gbit_per_s} must be > 0")
+        return cls(alpha, 8.0 / (gbit_per_s * 1e9))
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One strategy's prediction: rounds/bytes on the main link, on the in-node link, decode work."""
+
+    strategy: str
+    rounds: float
+    bytes_sent: float
+    decoded_entries: float
+    intra_rounds: float = 0.0
+    intra_bytes: float = 0.0
+
+    def seconds(self, link: Link, *, decode_per_entry: float = 0.0, intra: Optional[Link] = None) -> float:
+        inner = intra or link
+        return (link.alpha * self.rounds + link.beta * self.bytes_sent + decode_per_entry * self.decoded_entries
+                + inner.alpha * self.intra_rounds + inner.beta * self.intra_bytes)
+
+
+def dense_allreduce(numel: int, world_size: int, element_bytes: int = 4) -> Cost:
+    p = world_size
+    return Cost("dense", 2 * (p - 1), 2 * (p - 1) / p * numel * element_bytes if p > 1 else 0.0, 0.0)
+
+
+def shared_support_allreduce(k: int, world_size: int, value_bytes: int = 4) -> Cost:
+    """AllReduce of the ``k`` values at positions all ranks chose alike, plus one NaN-flag element."""
+    cost = dense_allreduce(k + 1, world_size, value_bytes)
+    return Cost("shared-support", cost.rounds, cost.bytes_sent, 0.0)
+
+
+def allgather_payloads(k: int, world_size: int, entry_bytes: float, *, header_bytes: int = 64,
+                       length_round: bool = True) -> Cost:
+    """Ring AllGather of every rank's payload of ``k`` entries (+ header); every rank decodes the
+    ``p-1`` others. ``length_round``: a blocking AllGather of lengths first (first sight of a layout)."""
+    p = world_size
+    rounds = (p - 1) * (2 if length_round else 1)
+    sent = (p - 1) * (k * entry_bytes + header_bytes + (8 if length_round else 0))
+    return Cost("allgather", rounds, sent, (p - 1) * k)
+
+
+def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: int = 256,
+                          imbalance: float = 1.0) -> Cost:
+    """:func:`.sparse_allreduce` with ``k`` entries contributed per rank and ``k`` kept overall;
+    ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p)."""
+    p = world_size
+    if p == 1:
+        return Cost("sparse-allreduce", 0, 0.0, 0.0)
+    reduce_scatter = (p - 1) / p * k * entry_bytes + 8 * (p - 1)
+    summary = (p - 1) * 4 * (summary_size + 2)
+    allgather = (p - 1) * min(imbalance, p) * k / p * entry_bytes + 8 * (p - 1)
+    return Cost("sparse-allreduce", 5 * (p - 1), reduce_scatter + summary + allgather, 2.0 * k)
+
+
+def hierarchical_cost(numel: int, k: int, nodes: int, local_size: int, entry_bytes: float = 8.0, *,
+                      summary_size: int = 256, imbalance: float = 1.0) -> Cost:
+    """:func:`.hierarchical_sparse_allreduce`: in-node dense reduce-scatter, the sparse AllReduce of
+    one shard (``k / local_size`` entries) across ``nodes``, in-node AllGather of the shards' results
+    (12 bytes per entry + a 4-byte flag, after a lengths round)."""
+    local = local_size
+    cross = sparse_allreduce_cost(k // local, nodes, entry_bytes, summary_size=summary_size, imbalance=imbalance)
+    intra_rounds = 4 * (local - 1)  # reduce-scatter counts + data, allgather lengths + data
+    intra_bytes = ((local - 1) / local * 4 * numel + 8 * (local - 1)
+                   + (local - 1) * (12 * k / local + 4 + 8)) if local > 1 else 0.0
+    return Cost("hierarchical", cross.rounds, cross.bytes_sent, cross.decoded_entries + (local - 1) * k / local,
+                intra_rounds, intra_bytes)
+
+
+def choose(costs: list[Cost], link: Link, *, decode_per_entry: float = 0.0, intra: Optional[Link] = None) -> str:
+    """The strategy predicted fastest. ``costs`` must include ``dense``; a strategy wins only if it is
+    predicted strictly faster than dense, ties go to the earlier name in :data:`STRATEGIES`."""
+    times = {c.strategy: c.seconds(link, decode_per_entry=decode_per_entry, intra=intra) for c in costs}
+    if "dense" not in times:
+        raise ValueError("choose() needs the dense AllReduce's cost among the candidates")
+    order = {name: i for i, name in enumerate(STRATEGIES)}
+    best = min(times, key=lambda name: (times[name], order.get(name, len(order))))
+    return best if times[best] < times["dense"] else "dense"

@@ -1,0 +1,111 @@
+"""Blocking collectives whose failure raises, naming the collective, on every surviving rank.
+
+A failed ``Work`` (a peer died, the connection broke, the group timed out) must never let a
+rank go on with a buffer the collective did not write. Every function here waits on its work
+and turns any failure into :class:`CollectiveError` (``"<what>: <collective> failed: ..."``).
+
+Everything runs as ``all_to_all_single`` (works on gloo and NCCL; uneven ones with split sizes,
+after a round that tells every receiver what it gets): gloo has no uneven list ``all_to_all`` and
+no ``all_gather`` of uneven sizes, padding would make the busiest rank set everyone's volume, and
+a full-mesh exchange lets every survivor notice a dead peer itself (see :func:`allgather_tensor`).
+A world of one never touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (usually: a peer died); the step cannot be completed."""
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def wait_checked(work: object, what: str, collective: str) -> None:
+    """Wait for ``work``; raise :class:`CollectiveError` naming ``collective`` if it failed."""
+    try:
+        ok = work.wait()  # type: ignore[attr-defined]
+    except Exception as error:  # gloo raises on a closed connection or a timeout
+        raise CollectiveError(f"{what}: {collective} failed: {error}") from error
+    if ok is False:  # some backends report failure by returning False instead of raising
+        raise CollectiveError(f"{what}: {collective} failed (work reported no success)")
+
+
+def allgather_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
+                     collective: str) -> torch.Tensor:
+    """All ranks' equally shaped ``tensor``s stacked in rank order: shape ``(p, *tensor.shape)``.
+
+    Runs as an ``all_to_all_single`` (each rank sends its tensor to every peer: the same
+    ``(p-1) * size`` bytes as a ring) so that every rank talks to every peer directly: a dead peer
+    fails each survivor's own transfer at once, where in a ring a survivor two hops away would wait
+    for a neighbour that has already given up, until the group's timeout."""
+    size = group_size(group)
+    if size == 1:
+        return tensor.unsqueeze(0).clone()
+    flat = tensor.reshape(-1)
+    gathered = torch.empty(size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+    wait_checked(dist.all_to_all_single(gathered, flat.repeat(size), group=group, async_op=True), what, collective)
+    return gathered.reshape(size, *tensor.shape)
+
+
+def allreduce_sum_checked(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
+                          collective: str) -> torch.Tensor:
+    """In-place SUM AllReduce of ``tensor``; returns it."""
+    if group_size(group) > 1:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        wait_checked(work, what, collective)
+    return tensor
+
+
+def alltoallv(buffer: torch.Tensor, send_counts: list[int], group: Optional[dist.ProcessGroup], *,
+              what: str, collective: str) -> tuple[torch.Tensor, list[int]]:
+    """Send ``buffer[sum(send_counts[:j]) : ...+send_counts[j]]`` to rank j (1-D ``buffer``).
+
+    Two rounds: the counts (int64, ``p`` each), then the data. Returns the received buffer
+    (rank order) and the counts received from each rank.
+    """
+    size = group_size(group)
+    if size == 1:
+        return buffer.clone(), list(send_counts)
+    counts_out = torch.tensor(send_counts, dtype=torch.int64, device=buffer.device)
+    counts_in = torch.empty_like(counts_out)
+    wait_checked(dist.all_to_all_single(counts_in, counts_out, group=group, async_op=True), what,
+                 f"{collective} (counts)")
+    recv_counts = [int(c) for c in counts_in.tolist()]
+    if min(recv_counts) < 0:
+        raise CollectiveError(f"{what}: {collective} (counts) received a negative count {recv_counts}")
+    received = torch.empty(sum(recv_counts), dtype=buffer.dtype, device=buffer.device)
+    work = dist.all_to_all_single(received, buffer, output_split_sizes=recv_counts,
+                                  input_split_sizes=list(send_counts), group=group, async_op=True)
+    wait_checked(work, what, collective)
+    return received, recv_counts
+
+
+def allgatherv(buffer: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
+               collective: str) -> tuple[torch.Tensor, list[int]]:
+    """AllGather of uneven 1-D buffers without padding: every rank's ``buffer`` concatenated in
+    rank order, and the length of each. Runs as an ``all_to_all_single`` that sends one's own
+    buffer to every peer, so a rank sends ``(p-1) * len(buffer)`` elements, not ``(p-1) * max``."""
+    size = group_size(group)
+    if size == 1:
+        return buffer.clone(), [buffer.numel()]
+    mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
+    lengths = [int(n) for n in allgather_tensor(mine, group, what=what, collective=f"{collective} (lengths)")
+               .reshape(-1).tolist()]
+    if min(lengths) < 0:
+        raise CollectiveError(f"{what}: {collective} (lengths) received a negative length {lengths}")
+    received = torch.empty(sum(lengths), dtype=buffer.dtype, device=buffer.device)
+    work = dist.all_to_all_single(received, buffer.repeat(size), output_split_sizes=lengths,
+                                  input_split_sizes=[buffer.numel()] * size, group=group, async_op=True)
+    wait_checked(work, what, collective)
+    return received, lengths
