@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradwire.errors import DecodeError
+from gradwire.exchange.calibrate import measure_link
 from gradwire.exchange.checked import CollectiveError
 from gradwire.exchange.regions import balanced_boundaries, check_boundaries, equal_boundaries
 from gradwire.exchange.sparse_allreduce import _from_wire, _to_wire, agreed_threshold, region_summary, sparse_allreduce
@@ -84,6 +85,9 @@ def _scenarios(rank: int, world_size: int, group: dist.ProcessGroup) -> dict:
     out["nan"] = _run(idx, nan_values, NUMEL, 60, equal, group=group)["finite"]
     if world_size == 3:
         out["decode_failure"] = _decode_failure(rank, group)
+    if world_size == 2:
+        link = measure_link(group, large_bytes=1 << 16, repeats=2)
+        out["link"] = (link.alpha, link.beta)
     return out
 
 
@@ -206,6 +210,13 @@ def test_agreed_threshold_is_exact_for_small_regions_and_keeps_ties() -> None:
     assert agreed_threshold(rows, 3) == 3.0
     tied = torch.stack([region_summary(torch.tensor([2.0, 2.0, 2.0, 1.0]), 8), region_summary(torch.tensor([2.0]), 8)])
     assert agreed_threshold(tied, 2) == 2.0  # all four 2.0s survive: ties never split by rank order
+
+
+@pytest.mark.distributed
+def test_measured_link_is_the_same_on_every_rank(every_size: list[dict]) -> None:
+    links = [r[2]["link"] for r in every_size[:2]]
+    assert links[0] == links[1] and links[0][0] > 0 and links[0][1] >= 0
+    assert measure_link(None).alpha == 0.0  # a world of one: nothing to measure
 
 
 def test_summary_rows_survive_the_wire() -> None:

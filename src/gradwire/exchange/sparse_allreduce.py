@@ -122,6 +122,8 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
     same on every rank. ``summary_size`` >= 2: order statistics per region for the threshold.
     """
     size, me = group_size(group), group_rank(group)
+    if me < 0:
+        raise ValueError(f"{WHAT}: this rank is not a member of the group it was given")
     bounds = check_boundaries(boundaries, numel, size)
     _check_input(indices, values, numel, k, summary_size)
     device = values.device
