@@ -69,6 +69,14 @@ class ErrorFeedback:
         if previous is not None and previous is not compensated:
             self._spares[key] = previous
 
+    def replace(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Keep ``residual`` (flat) for ``key``: an exchange that computed the new residual whole
+        (the hierarchical one keeps each rank's shard of the node's sum)."""
+        previous = self.residuals.get(key)
+        self.residuals[key] = residual
+        if previous is not None and previous is not residual:
+            self._spares[key] = previous
+
     def residual(self, key: Hashable) -> "torch.Tensor | None":
         """The residual kept for ``key`` (flat), or None; read-only by convention."""
         return self.residuals.get(key)

@@ -33,6 +33,8 @@ HOOK_KEYS = {
     "momentum_correction": ("momentum_correction", float),
     "warmup_steps": ("warmup_steps", int),
     "seed": ("seed", int),
+    "hierarchy": ("hierarchy", "hierarchy"),
+    "link_gbit": ("link_gbit", float),
     "bits": ("codec_option:bits", int),
     "bucket_size": ("codec_option:bucket_size", int),
     "fpr": ("codec_option:fpr", float),
@@ -83,9 +85,12 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(raw)
             return raw.lower() in ("true", "1", "yes")
+        if kind == "hierarchy":  # ranks per node, or "auto" (torchrun's LOCAL_WORLD_SIZE)
+            return raw if raw == "auto" else int(raw)
         return kind(raw)
     except ValueError:
-        kind_name = "true/false" if kind == "bool" else kind.__name__
+        kind_name = {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node"}.get(
+            kind, getattr(kind, "__name__", str(kind)))
         raise ValueError(f"method {spec!r}: {key}={raw!r} is not a valid {kind_name}") from None
 
 

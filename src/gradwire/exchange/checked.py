@@ -18,9 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (usually: a peer died); the step cannot be completed."""
+from ..errors import CollectiveError
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COLLECTIVES = ("auto", "allreduce", "allgather", "dense")
+COLLECTIVES = ("auto", "allreduce", "allgather", "sparse-allreduce", "dense")
 
 
 def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> float:

@@ -58,6 +58,8 @@ class HookConfig:
     warmup_steps: int = 0
     nonfinite: str = "raise"
     verify: str = "digest"
+    link_gbit: Optional[float] = None
+    link_alpha: Optional[float] = None
     collective_timeout: float = field(default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_LOCAL)
     log_every: int = field(default=0, metadata=_LOCAL)
 
@@ -78,6 +80,13 @@ class HookConfig:
             raise ValueError(f"hierarchy={self.hierarchy!r} is not supported; allowed: None, 'auto', "
                              "or the number of ranks per node (an integer >= 1)")
         object.__setattr__(self, "codec_options", dict(self.codec_options or {}))
+        for name in ("link_gbit", "link_alpha"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a number > 0 (or None: measured at the first step)")
+        if self.hierarchy is not None and self.collective not in ("auto", "sparse-allreduce"):
+            raise ValueError(f"hierarchy={self.hierarchy!r} needs collective='sparse-allreduce' or 'auto'; "
+                             f"got collective={self.collective!r}")
         if self.compressor != "none" and self.density is None and self.k is None and self.threshold is None:
             object.__setattr__(self, "density", 0.01)
         sparsifier = self.build_sparsifier()  # validates the amount against the sparsifier
@@ -101,6 +110,12 @@ class HookConfig:
                 f"collective='sparse-allreduce' needs a per-rank support (topk, sampled-topk, gaussian-k, "
                 f"threshold); compressor={self.compressor!r} has {'none' if sparsifier is None else 'a shared one'}"
             )
+        if self.collective == "sparse-allreduce" and not index_codec.lossless:
+            raise ValueError(f"collective='sparse-allreduce' sums entries by position, so index_codec must be "
+                             f"lossless; got {index_codec.name!r}")
+        if self.hierarchy is not None and self.momentum_correction is not None:
+            raise ValueError("hierarchy is not supported with momentum_correction (its residual lives on the "
+                             "node's sum, not on this rank's momentum); use error_feedback")
 
     # ------------------------------------------------------------------------------ building
     def build_sparsifier(self) -> Optional[Sparsifier]:

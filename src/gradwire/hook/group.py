@@ -52,6 +52,8 @@ class BucketGroup:
     #: error-feedback updates, applied only once every rank agreed the step succeeded
     feedback_updates: list[tuple[Hashable, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     feedback_clears: list[Hashable] = field(default_factory=list)
+    #: residuals an exchange computed whole (hierarchical: its shard of the node's sum)
+    feedback_sets: list[tuple[Hashable, torch.Tensor]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -93,6 +95,11 @@ class BucketGroup:
         if entry.unused or entry.compensated is None:
             return
         self.feedback_updates.append((entry.key, entry.compensated, indices, sent))
+
+    def keep_residual(self, entry: Entry, residual: torch.Tensor) -> None:
+        """Record ``residual`` (flat, the entry's numel) as the entry's new residual for the step's end."""
+        if not entry.unused:
+            self.feedback_sets.append((entry.key, residual))
 
     def clear_all(self) -> None:
         """Everything was sent (a dense fallback): nothing stays behind, except for unused entries."""

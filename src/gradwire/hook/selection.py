@@ -31,11 +31,15 @@ class Selection:
         self.scope = scope
         self.stats = stats
 
+    def compensate(self, group: BucketGroup, finite: bool, *, detect_unused: bool = True) -> None:
+        """Step 1-2 only (an exchange that selects on something else, e.g. a node's sum)."""
+        for entry in group.entries:
+            entry.unused = detect_unused and finite and not bool(entry.grad.any())
+            entry.compensated = self._compensate(entry, finite)
+
     def run(self, group: BucketGroup, step: int, finite: bool) -> None:
         with self.stats.timer("sparsify"):
-            for entry in group.entries:
-                entry.unused = finite and not bool(entry.grad.any())
-                entry.compensated = self._compensate(entry, finite)
+            self.compensate(group, finite)
             if self.scope == "global":  # unused entries hold zeros, which a per-rank support skips
                 selected = select_global(self.sparsifier, [e.compensated for e in group.entries], step=step)
             else:

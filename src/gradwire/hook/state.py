@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..exchange import check_same_on_all_ranks, ring_allreduce_bytes
+from ..exchange.alphabeta import Link
 from ..exchange.collectives import world_size_of
 from ..feedback import ErrorFeedback, MomentumCorrection
 from ..stats import ExchangeStats
@@ -23,16 +24,24 @@ from .config import CAST_VALUE_CODECS, HookConfig
 from .group import BucketGroup, Entry, all_finite, offset_in
 from .selection import Selection
 from .step import StepEnd
+from .choice import Calibration, calibrate, candidates, choose_strategy, entry_bytes
 from .strategies import (
     DenseAllReduce,
     ExchangeContext,
     ExchangeStrategy,
+    HierarchicalExchange,
     PayloadAllGather,
     SharedSupportAllReduce,
+    SparseAllReduce,
     count_slack,
+    local_size_of,
 )
 
 logger = logging.getLogger("gradwire")
+
+#: In-node links for the hierarchical candidate of ``auto`` (shared memory or NVLink class: an
+#: assumption, not a measurement — the model only needs them far faster than the network).
+IN_NODE_LINK = Link(5e-6, 1e-10)
 
 
 class CommHookState:
@@ -51,8 +60,15 @@ class CommHookState:
             is accumulated before sparsification; use the optimizer without momentum then.
         scope: ``"layer"`` (each parameter keeps its density) or ``"global"`` (one selection over
             the whole model, made when the iteration's last bucket arrives).
-        collective: ``"auto"`` (cost model), ``"allreduce"`` (shared supports only),
-            ``"allgather"`` or ``"dense"``.
+        collective: ``"auto"`` (α–β–γ cost model over every strategy, see
+            :mod:`gradwire.hook.choice`), ``"allreduce"`` (shared supports only), ``"allgather"``,
+            ``"sparse-allreduce"`` (volume per worker independent of the number of workers) or
+            ``"dense"``.
+        hierarchy: ``None``, ``"auto"`` (torchrun's ``LOCAL_WORLD_SIZE``) or ranks per node: dense
+            inside a node, sparse AllReduce across nodes (with ``collective="sparse-allreduce"``,
+            or as a candidate of ``"auto"``).
+        link_gbit, link_alpha: the network for ``auto``'s model (Gbit/s per worker, seconds per
+            round); None: measured at the first step.
         seed: shared seed of random supports; every rank must use the same.
         warmup_steps: dense AllReduce for the first N steps.
         nonfinite: ``"raise"`` (every rank raises :class:`NonFiniteGradientError`) or ``"skip"``
@@ -91,6 +107,8 @@ class CommHookState:
         self._strategies: Optional[dict[str, ExchangeStrategy]] = None
         self._context: Optional[ExchangeContext] = None
         self._step_end: Optional[StepEnd] = None
+        self._calibration: Optional[Calibration] = None
+        self._choices: dict[tuple[int, ...], str] = {}
         self._names: dict[Hashable, str] = {}
         self._param_index: dict[Hashable, int] = {}
         if model is not None:
@@ -154,7 +172,7 @@ class CommHookState:
         # can what is in flight, and frame sizes must restart from a length round on every rank
         state = dict(self.__dict__)
         state.update(process_group=None, _pending=None, _step_groups=[], _in_flight=[], _strategies=None,
-                     _context=None, _step_end=None)
+                     _context=None, _step_end=None, _calibration=None, _choices={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -208,10 +226,61 @@ class CommHookState:
         if finite or self.sparsifier.shared_support:
             assert self._selection is not None
             self._selection.run(group, self.iteration, finite)
-        if self.sparsifier.shared_support and (config.collective == "allreduce" or (
-                config.collective == "auto" and self.value_codec.name in CAST_VALUE_CODECS)):
-            return strategies["allreduce"].start(group, finite=finite)
+        if self.sparsifier.shared_support:
+            if config.collective == "allreduce" or (config.collective == "auto"
+                                                    and self.value_codec.name in CAST_VALUE_CODECS):
+                return strategies["allreduce"].start(group, finite=finite)
+            return strategies["allgather"].start(group, finite=finite)
+        name = self._per_rank_strategy(group)
+        k = self._target_k(group)
+        if name == "hierarchical":
+            self._selection.compensate(group, finite, detect_unused=False)
+            return strategies["hierarchical"].start(group, finite=finite, k=k)
+        if finite:
+            assert self._selection is not None
+            self._selection.run(group, self.iteration, finite)
+        if name == "sparse-allreduce":
+            return strategies["sparse-allreduce"].start(group, finite=finite, k=k)
+        if name == "dense":
+            return strategies["dense"].start(group, compensated=True, finite=finite)
         return strategies["allgather"].start(group, finite=finite)
+
+    def _target_k(self, group: BucketGroup) -> int:
+        """The group's k for a second selection: the sum of the sparsifier's per-parameter targets
+        (the same on every rank); every entry when the sparsifier has no target (threshold)."""
+        assert self.sparsifier is not None
+        total = 0
+        for entry in group.entries:
+            target = self.sparsifier.target_k(entry.numel)
+            if target is None:
+                return group.numel
+            total += target
+        return total
+
+    def _per_rank_strategy(self, group: BucketGroup) -> str:
+        """allgather / sparse-allreduce / hierarchical / dense for a per-rank support."""
+        config = self.config
+        if config.collective == "sparse-allreduce":
+            return "hierarchical" if self._local_size() > 1 else "sparse-allreduce"
+        if config.collective != "auto" or self._context is None or self._context.world_size == 1:
+            return "allgather"
+        signature = group.signature()
+        if signature not in self._choices:
+            if self._calibration is None:
+                self._calibration = calibrate(self.process_group, self._context.world_size,
+                                              index_codec=self.index_codec, value_codec=self.value_codec,
+                                              link_gbit=config.link_gbit, link_alpha=config.link_alpha)
+            k = self._target_k(group)
+            costs = candidates(numel=group.numel, k=k, world_size=self._context.world_size,
+                               bytes_per_entry=entry_bytes(self.index_codec, self.value_codec, numel=group.numel, k=k),
+                               sparse_allreduce=self.index_codec.lossless, local_size=self._local_size())
+            self._choices[signature] = choose_strategy(self._calibration, costs, intra=IN_NODE_LINK)
+        return self._choices[signature]
+
+    def _local_size(self) -> int:
+        if self.config.hierarchy is None or self._context is None:
+            return 1
+        return local_size_of(self.config.hierarchy, self._context.world_size)
 
     def _strategies_for_step(self) -> dict[str, ExchangeStrategy]:
         if self._strategies is None:
@@ -224,7 +293,10 @@ class CommHookState:
                 "dense": dense,
                 "allreduce": SharedSupportAllReduce(self._context),
                 "allgather": PayloadAllGather(self._context, dense, count_slack(self.sparsifier)),
+                "sparse-allreduce": SparseAllReduce(self._context),
             }
+            if self.sparsifier is not None:
+                self._strategies["hierarchical"] = HierarchicalExchange(self._context, self.sparsifier)
             self._step_end = StepEnd(self.config, self.process_group, world, self._stats, self.feedback)
         assert self._context is not None
         self._context.step = self.iteration
@@ -232,6 +304,7 @@ class CommHookState:
 
     def _reset_exchange(self) -> None:
         self._pending, self._step_groups, self._in_flight = None, [], []
+        self._choices = {}
         if self._strategies is not None:
             for strategy in self._strategies.values():
                 strategy.reset()

@@ -153,6 +153,8 @@ class StepEnd:
         for group in groups:
             for key in group.feedback_clears:
                 self.feedback.clear(key)
+            for key, residual in group.feedback_sets:
+                self.feedback.replace(key, residual)
             for key, compensated, indices, sent in group.feedback_updates:
                 self.feedback.update(key, compensated, indices, sent)
 

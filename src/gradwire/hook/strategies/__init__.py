@@ -2,19 +2,26 @@
 
 * :class:`DenseAllReduce` — warm-up, ``compressor="none"``, ``collective="dense"``, ``auto``'s fallback;
 * :class:`SharedSupportAllReduce` — values at positions every rank drew from one seed;
-* :class:`PayloadAllGather` — encoded per-rank payloads, two-round then framed one-round.
+* :class:`PayloadAllGather` — encoded per-rank payloads, two-round then framed one-round;
+* :class:`SparseAllReduce` — per-rank supports reduced by region: ~2k entries per worker for any p;
+* :class:`HierarchicalExchange` — dense inside a node, sparse AllReduce across nodes.
 """
 
 from .allgather import PayloadAllGather, count_slack
 from .base import ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
+from .hierarchical import HierarchicalExchange, local_size_of
 from .shared_support import SharedSupportAllReduce
+from .sparse_allreduce import SparseAllReduce
 
 __all__ = [
     "DenseAllReduce",
     "ExchangeContext",
     "ExchangeStrategy",
+    "HierarchicalExchange",
     "PayloadAllGather",
     "SharedSupportAllReduce",
+    "SparseAllReduce",
     "count_slack",
+    "local_size_of",
 ]

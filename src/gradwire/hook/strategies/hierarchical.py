@@ -1,0 +1,105 @@
+"""Hierarchical exchange: dense inside a node, sparse AllReduce across nodes, shared inside the node."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch
+
+from ...errors import CollectiveError, DecodeError
+from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
+from ...sparsify.base import Sparsifier
+from ..group import BucketGroup, all_finite
+from .base import ExchangeContext, ExchangeStrategy, done_future, run_guarded
+from .sparse_allreduce import RegionCodecAdapter
+
+
+def local_size_of(hierarchy: Union[str, int], world_size: int) -> int:
+    """Ranks per node: the configured number, or for ``"auto"`` torchrun's ``LOCAL_WORLD_SIZE``
+    (1 when unset: one rank per node, so the exchange is the flat sparse AllReduce)."""
+    if hierarchy == "auto":
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    else:
+        size = int(hierarchy)
+    if size < 1 or world_size % size:
+        raise ValueError(f"hierarchy={hierarchy!r} gives {size} ranks per node, which must divide the world "
+                         f"size {world_size}")
+    return size
+
+
+class HierarchicalExchange(ExchangeStrategy):
+    """1. Every rank's compensated gradient (``grad + its residual``) is reduce-scattered densely
+       inside its node (fast local links): local rank j holds the node's sum on shard j;
+    2. the sparsifier selects on that shard sum;
+    3. the shard's sparse AllReduce runs across nodes among the ranks holding the same shard
+       (``exchange.hierarchical_sparse_allreduce``): every shard crosses the slow links in parallel,
+       each ``1/local_size`` of the volume;
+    4. the shards' results are all-gathered inside the node, and every rank writes the average.
+    Error feedback is per rank over its shard: rank r keeps ``node sum on its shard - what of it
+    survived`` (zero elsewhere), which telescopes over all ranks. Blocking, on the hook's thread.
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, context: ExchangeContext, sparsifier: Sparsifier) -> None:
+        super().__init__(context)
+        self.sparsifier = sparsifier
+        self.codec = RegionCodecAdapter(index_codec=context.index_codec, value_codec=context.value_codec)
+        self._hierarchy: Optional[Hierarchy] = None
+
+    def hierarchy(self) -> Hierarchy:
+        """The intra- and cross-node groups, built at first use (a collective: every rank builds
+        them at its first bucket, in the same order)."""
+        if self._hierarchy is None:
+            local = local_size_of(self.context.config.hierarchy, self.context.world_size)
+            built = build_hierarchy(local)
+            assert built is not None
+            self._hierarchy = built
+        return self._hierarchy
+
+    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> torch.futures.Future:
+        run_guarded(group, lambda: self._run(group, finite, k))
+        return done_future()
+
+    def _run(self, group: BucketGroup, finite: bool, k: Optional[int]) -> None:
+        context = self.context
+        hierarchy = self.hierarchy()
+        dense = torch.zeros(group.numel, dtype=torch.float32, device=group.device)
+        for entry in group.entries:
+            if entry.compensated is not None and not entry.unused:
+                dense[entry.offset: entry.offset + entry.numel] = entry.compensated
+        if not finite:
+            dense[0] = float("nan")
+        step = context.step
+        tensor_id = hash(group.signature()) & 0x7FFFFFFF
+
+        def select(shard_sum: torch.Tensor) -> torch.Tensor:
+            if not bool(torch.isfinite(shard_sum).all()):  # one NaN entry tells every rank
+                return torch.zeros(1, dtype=torch.int64, device=shard_sum.device)
+            return self.sparsifier.select(shard_sum, step=step, tensor_id=tensor_id)
+
+        try:
+            result = hierarchical_sparse_allreduce(dense=dense, k=k if k is not None else group.numel,
+                                                   hierarchy=hierarchy, select=select, codec=self.codec)
+        except (DecodeError, CollectiveError):
+            raise
+        except RuntimeError as error:
+            raise CollectiveError(f"hierarchical exchange failed at step {step}: {error}") from error
+        context.stats.add("bytes_sent", float(sum(result.sent_intra.values()) + sum(result.sent_cross.values())))
+        context.stats.add("bytes_sent_cross_node", float(sum(result.sent_cross.values())))
+        context.stats.add("count_hierarchical_buckets", 1)
+        if not result.finite:
+            group.mark_nonfinite()
+            return
+        with context.stats.timer("decode"):
+            out = group.output_buffer(group.dtype)
+            out[result.indices.to(out.device)] = (result.values / context.world_size).to(out.dtype)
+            if not all_finite(out):
+                group.mark_nonfinite()
+                return
+            residual = result.residual(group.numel)
+            for entry in group.entries:
+                own = residual[entry.offset: entry.offset + entry.numel].to(entry.compensated.dtype).clone()
+                group.keep_residual(entry, own)
+            group.write(out)

@@ -1,0 +1,94 @@
+"""Every exchange strategy through DDP on real gloo groups of 2-5 ranks: ranks end with identical
+parameters, density 1.0 equals DDP's own AllReduce, and ``auto`` chooses alike on every rank."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradwire
+
+from .distributed import run_workers
+
+pytestmark = pytest.mark.distributed
+
+STRATEGIES = {
+    "dense": {"compressor": "topk", "density": 0.1, "collective": "dense"},
+    "allreduce": {"compressor": "randomblock", "density": 0.1, "collective": "allreduce"},
+    "allgather": {"compressor": "topk", "density": 0.1, "collective": "allgather", "index_codec": "rice"},
+    "sparse-allreduce": {"compressor": "topk", "density": 0.1, "collective": "sparse-allreduce",
+                         "index_codec": "rice", "value_codec": "fp16"},
+    "auto": {"compressor": "topk", "density": 0.1, "collective": "auto", "link_gbit": 0.1},
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 5))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(8, 24, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+
+
+def _train(rank: int, options: dict | None, steps: int) -> tuple[str, dict, DDP]:
+    model = DDP(_model(), bucket_cap_mb=0.002)  # several buckets
+    state = None
+    if options is not None:
+        state = gradwire.CommHookState(model=model, **options)
+        model.register_comm_hook(state, gradwire.comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        optimizer.zero_grad()
+        inputs, targets = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    stats = state.stats() if state is not None else {}
+    if state is not None:
+        stats["choices"] = sorted(set(state._choices.values()))
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest(), stats, model
+
+
+def worker_strategies(rank: int, world_size: int) -> dict:
+    out = {name: _train(rank, options, 4)[:2] for name, options in STRATEGIES.items()}
+    # density 1.0: the sparse AllReduce keeps every entry, so it equals DDP's AllReduce
+    *_, reference = _train(rank, None, 1)
+    *_, full = _train(rank, {**STRATEGIES["sparse-allreduce"], "density": 1.0, "value_codec": "fp32"}, 1)
+    out["full_matches_dense"] = max(float((a - b).detach().abs().max()) for a, b in zip(reference.parameters(), full.parameters()))
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_every_strategy_keeps_ranks_identical(world_size: int) -> None:
+    results = run_workers(worker_strategies, world_size, timeout=240, pg_timeout=60)
+    for name in STRATEGIES:
+        digests = {result[name][0] for result in results}
+        assert len(digests) == 1, f"{name}: ranks differ at p={world_size}"
+        assert results[0][name][1]["step"] == 4, name
+        choices = {tuple(result[name][1]["choices"]) for result in results}
+        assert len(choices) == 1, f"{name}: ranks chose differently: {choices}"
+    assert all(result["full_matches_dense"] < 1e-6 for result in results), [r["full_matches_dense"] for r in results]
+    assert results[0]["sparse-allreduce"][1]["count_sparse_allreduce_buckets"] > 0
+
+
+def worker_hierarchical(rank: int, world_size: int) -> dict:
+    options = {**STRATEGIES["sparse-allreduce"], "hierarchy": 2}
+    digest, stats, _ = _train(rank, options, 3)
+    *_, reference = _train(rank, None, 1)
+    *_, full = _train(rank, {**options, "density": 1.0, "value_codec": "fp32"}, 1)
+    gap = max(float((a - b).detach().abs().max()) for a, b in zip(reference.parameters(), full.parameters()))
+    return {"digest": digest, "stats": stats, "gap": gap}
+
+
+@pytest.mark.timeout(400)
+def test_hierarchical_two_nodes_of_two() -> None:
+    results = run_workers(worker_hierarchical, 4, timeout=240, pg_timeout=60)
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["count_hierarchical_buckets"] > 0 for r in results)
+    assert all(r["gap"] < 1e-6 for r in results), [r["gap"] for r in results]
