@@ -93,7 +93,11 @@ def _launch_in_cluster(argv: list[str], workers: int, cluster: ClusterArg, timeo
         if emulated.spec.workers != workers:
             raise ValueError(f"workers={workers} does not match the cluster's {emulated.spec.workers} workers")
         start = emulated.counters()
-        env = [{"MASTER_ADDR": emulated.master_addr, "GLOO_SOCKET_IFNAME": emulated.interface(r)}
+        # torchrun's names for the placement, so node-aware code (hierarchical exchange) sees the
+        # emulated nodes: rank r is local rank r % per_node on node r // per_node
+        per_node = emulated.spec.workers_per_node
+        env = [{"MASTER_ADDR": emulated.master_addr, "GLOO_SOCKET_IFNAME": emulated.interface(r),
+                "LOCAL_RANK": str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node)}
                for r in range(workers)]
         _run_processes([emulated.wrap(rank, argv) for rank in range(workers)], env, timeout, poll)
         end = emulated.counters()
@@ -163,7 +167,7 @@ def _run_processes(commands: list[list[str]], envs: list[dict[str, str]], timeou
     try:
         for rank, command in enumerate(commands):
             env = dict(os.environ, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(len(commands)),
-                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(commands)),
+                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(commands)), GROUP_RANK="0",
                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             env.update(envs[rank])
             processes.append(subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent))
