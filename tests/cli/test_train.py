@@ -78,10 +78,21 @@ def test_train_smoke_every_method_family(tmp_path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
-def test_steps_counts_total_steps_and_piped_runs_print_a_line_per_epoch(tmp_path) -> None:
-    summaries, stderr = _train(tmp_path, "--method", "allreduce", "--epochs", "3", "--steps-per-epoch", "2",
-                               "--steps", "5", "--no-eval")
-    assert summaries[0]["steps"] == 5  # 2 + 2 + 1: --steps caps the total, not each epoch
+def test_steps_counts_total_steps_lines_per_epoch_and_json_after_each_method(tmp_path, capfd, monkeypatch) -> None:
+    from gradwire.cli import train
+    from gradwire.cli.main import main
+
+    written: list[int] = []  # how many summaries each (re)write of --json held
+    real_write = train._write_json
+    monkeypatch.setattr(train, "_write_json", lambda path, summaries: (written.append(len(summaries)),
+                                                                         real_write(path, summaries)))
+    assert main(["train", "--data", "digits", "--workers", "2", "--batch-size", "16", "--no-eval", "--epochs", "3",
+                 "--steps-per-epoch", "2", "--steps", "5", "--method", "allreduce", "--method", "torch-fp16",
+                 "--json", str(tmp_path / "s.json"), "--timeout", "120"]) == 0
+    summaries = json.loads((tmp_path / "s.json").read_text())
+    assert [s["steps"] for s in summaries] == [5, 5]  # 2 + 2 + 1: --steps caps the total, not each epoch
+    assert written == [0, 1, 2, 2]  # checked writable first, then after each method, then at the end
+    stderr = capfd.readouterr().err  # rank 0 writes to the inherited fd 2
     epoch_lines = [line for line in stderr.splitlines() if line.startswith("allreduce: epoch")]
     assert [line.split(",")[1].strip() for line in epoch_lines] == ["step 2/5", "step 4/5", "step 5/5"]
     assert stderr.splitlines()[0].startswith("gradwire train: 2 local workers")  # says something at once
@@ -103,7 +114,8 @@ BAD_OPTIONS = [
     (["--model", "cnn", "--text", __file__], "--text is for lstm, transformer"),
     (["--out", "/proc/gradwire-cannot-write-here"], "is not a writable folder"),
     (["--json", "/nonexistent-folder/summary.json"], "cannot be written"),
-    (["--steps", "0"], "max_steps=0 must be >= 1"),
+    (["--steps", "0"], "--steps=0 must be >= 1"),
+    (["--epochs", "0"], "--epochs=0 must be >= 1"),
     (["--nodes", "2"], "--nodes needs --cluster"),
     (["--show", "/nonexistent/s.json"], "cannot be read"),
 ]

@@ -92,11 +92,20 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
     try:
         config.validate()
+    except ValueError as error:  # "max_steps=0 must be >= 1" -> "--steps=0 must be >= 1"
+        name, _, rest = str(error).partition("=")
+        raise UsageError(f"{_OPTION_NAMES.get(name, name)}={rest}") from None
+    try:
         for spec in config.methods:
             check_method(spec)
     except ValueError as error:
         raise UsageError(str(error)) from None
     return config
+
+
+#: TrainConfig field -> the option that sets it, for error messages
+_OPTION_NAMES = {"max_steps": "--steps", "steps_per_epoch": "--steps-per-epoch", "batch_size": "--batch-size",
+                 "epochs": "--epochs", "threads": "--threads", "lr": "--lr", "warmup_steps": "--warmup-steps"}
 
 
 def check_method(spec_text: str) -> None:

@@ -20,6 +20,7 @@ import json
 import sys
 import warnings
 
+from . import state
 from .netns import (
     MAX_WORKERS,
     WORKER_INTERFACE,
@@ -125,6 +126,15 @@ def _up(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     prefix = args.prefix or "gw"
+    records = state.read_all()
+    if args.prefix is None and not args.json and records:  # every recorded cluster, one line each
+        for record in records:
+            owner = record.get("owner")
+            use = ("in use by a running launcher" if state.owner_alive(record) else
+                   "left by a stopped launcher: `gradwire cluster down` removes it" if owner else "up")
+            print(f"{record['prefix']}: {ClusterSpec(**record['spec']).describe(prefix=False)}; {use}")
+        print("details of one: gradwire cluster status --prefix P")
+        return 0
     report = status(prefix)
     if args.json:
         print(json.dumps(report, indent=2))
