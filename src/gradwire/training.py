@@ -15,9 +15,10 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ class TrainConfig:
     text: Optional[str] = None
     epochs: int = 1
     steps_per_epoch: Optional[int] = None
+    #: total steps per method, across epochs (None: every step of every epoch)
+    max_steps: Optional[int] = None
     warmup_steps: int = 0
     batch_size: int = 32
     lr: float = 0.05
@@ -51,15 +54,19 @@ class TrainConfig:
     #: synchronous exchange makes them (the floor a zero-byte exchange would reach)
     barrier_each_step: bool = False
     out: Optional[str] = None
+    #: rank 0 draws a tqdm bar on stderr (for a terminal)
     progress: bool = True
+    #: rank 0 prints one plain line per epoch on stderr (for logs and pipes, where a bar is noise)
+    log_epochs: bool = False
     bucket_cap_mb: float = 25.0
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "threads", "synthetic_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch={self.steps_per_epoch} must be >= 1")
+        for name in ("steps_per_epoch", "max_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         for spec in self.methods:
@@ -156,6 +163,10 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     sampler = torch.utils.data.distributed.DistributedSampler(workload.train, shuffle=True, seed=config.seed)
     loader = torch.utils.data.DataLoader(workload.train, batch_size=config.batch_size, sampler=sampler, drop_last=True)
     steps_per_epoch = min(len(loader), config.steps_per_epoch or len(loader))
+    if steps_per_epoch == 0:  # every rank computes the same, so every rank raises together
+        raise ValueError(f"batch_size={config.batch_size} is larger than each worker's share of the training set "
+                         f"({len(sampler)} examples): no step would run")
+    total_steps = min(config.epochs * steps_per_epoch, config.max_steps or config.epochs * steps_per_epoch)
     metrics_file = None
     if config.out and rank == 0:
         os.makedirs(config.out, exist_ok=True)
@@ -164,13 +175,13 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     if config.progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=config.epochs * steps_per_epoch, desc=spec_text, leave=False, dynamic_ncols=True)
+        bar = tqdm(total=total_steps, desc=spec_text, leave=False, dynamic_ncols=True)
     records: list[dict[str, Any]] = []
     wall_start = time.perf_counter()
     status = "ok"
     try:
         ddp, optimizer = _loop(config, spec, workload, ddp, optimizer, warmup, holder, sampler, loader,
-                               steps_per_epoch, records, metrics_file, bar, device, world)
+                               steps_per_epoch, total_steps, records, metrics_file, bar, device, world)
     except Exception as error:  # DDP re-raises the hook's NonFiniteGradientError wrapped
         # the hook raises on every rank together when a gradient holds NaN/Inf: record the
         # divergence and go on with the next method instead of losing the whole comparison
@@ -206,15 +217,21 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
 
 
 def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, optimizer: Any, warmup: Any,
-          holder: dict[str, Any], sampler: Any, loader: Any, steps_per_epoch: int, records: list[dict[str, Any]],
-          metrics_file: Any, bar: Any, device: torch.device, world: int) -> tuple[Any, Any]:
-    """The epochs of one method; appends a record per step; returns the final (model, optimizer)."""
+          holder: dict[str, Any], sampler: Any, loader: Any, steps_per_epoch: int, total_steps: int,
+          records: list[dict[str, Any]], metrics_file: Any, bar: Any, device: torch.device,
+          world: int) -> tuple[Any, Any]:
+    """The epochs of one method (at most ``total_steps`` steps); appends a record per step;
+    returns the final (model, optimizer)."""
     spec_text = spec.text
     global_step = 0
+    started = time.perf_counter()
     for epoch in range(config.epochs):
+        if global_step >= total_steps:
+            break
         sampler.set_epoch(epoch)
+        first_record = len(records)
         for step, (inputs, targets) in enumerate(loader):
-            if step >= steps_per_epoch:
+            if step >= steps_per_epoch or global_step >= total_steps:
                 break
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
@@ -250,18 +267,32 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 bar.update()
                 bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=epoch)
             global_step += 1
+        if config.log_epochs and dist.get_rank() == 0:
+            losses = [r["loss"] for r in records[first_record:]]
+            print(f"{spec_text}: epoch {epoch + 1}/{config.epochs}, step {global_step}/{total_steps}, "
+                  f"mean loss {sum(losses) / max(len(losses), 1):.4f}, {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr, flush=True)
         if warmup is not None and warmup.step_epoch():
             ddp, optimizer = warmup.model, warmup.optimizer
     return ddp, optimizer
 
-def run_rank(config: TrainConfig) -> list[dict[str, Any]]:
-    """Train every method of ``config`` in turn on this rank; rank 0 writes summary.json."""
+def run_rank(config: TrainConfig,
+             on_summary: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
+    """Train every method of ``config`` in turn on this rank; rank 0 writes summary.json.
+
+    summary.json is rewritten after every method, and ``on_summary(summaries so far)`` is called
+    then, so a run that fails or is stopped later keeps the methods it finished.
+    """
     torch.set_num_threads(config.threads)
-    summaries = [train_method(config, spec) for spec in config.methods]
-    if config.out and dist.get_rank() == 0:
-        os.makedirs(config.out, exist_ok=True)
-        with open(os.path.join(config.out, "summary.json"), "w") as handle:
-            json.dump(summaries, handle, indent=1, default=_json_default)
+    summaries: list[dict[str, Any]] = []
+    for spec in config.methods:
+        summaries.append(train_method(config, spec))
+        if config.out and dist.get_rank() == 0:
+            os.makedirs(config.out, exist_ok=True)
+            with open(os.path.join(config.out, "summary.json"), "w") as handle:
+                json.dump(summaries, handle, indent=1, default=_json_default)
+        if on_summary is not None:
+            on_summary(list(summaries))
     return summaries
 
 

@@ -43,16 +43,16 @@ def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
         parse_method(spec)
 
 
-def _train(tmp_path, *extra: str) -> list[dict]:
+def _train(tmp_path, *extra: str) -> tuple[list[dict], str]:
+    """Run ``gradwire train`` on 2 local workers with stderr piped; (summaries from --json, stderr)."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "gradwire", "train", "--model", "cnn", "--data", "digits", "--workers", "2",
-               "--steps", "4", "--batch-size", "16", "--out", str(out), "--json", str(tmp_path / "s.json"),
-               "--timeout", "150", *extra]
+               "--batch-size", "16", "--out", str(out), "--json", str(tmp_path / "s.json"), "--timeout", "150", *extra]
     result = subprocess.run(command, capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = json.loads((tmp_path / "s.json").read_text())
     assert json.loads((out / "summary.json").read_text())[0]["method"] == summaries[0]["method"]
-    return summaries
+    return summaries, result.stderr
 
 
 @pytest.mark.distributed
@@ -60,7 +60,8 @@ def _train(tmp_path, *extra: str) -> list[dict]:
 def test_train_smoke_every_method_family(tmp_path) -> None:
     methods = ["allreduce", "torch-fp16", "torch-powersgd:rank=2", "topk:density=0.05,values=fp16,indices=rice",
                "randomblock:density=0.05", "pufferfish:rank_ratio=0.25,warmup_epochs=1+topk:density=0.1"]
-    summaries = _train(tmp_path, "--epochs", "2", *[arg for m in methods for arg in ("--method", m)])
+    summaries, _ = _train(tmp_path, "--epochs", "2", "--steps-per-epoch", "4",
+                          *[arg for m in methods for arg in ("--method", m)])
     assert [s["method"] for s in summaries] == methods
     by_method = {s["method"]: s for s in summaries}
     for summary in summaries:
@@ -75,10 +76,89 @@ def test_train_smoke_every_method_family(tmp_path) -> None:
     assert {"seconds_forward", "seconds_backward", "seconds_optimizer", "bytes_sent"} <= set(metrics[0])
 
 
-def test_train_rejects_bad_options(tmp_path) -> None:
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_steps_counts_total_steps_lines_per_epoch_and_json_after_each_method(tmp_path, capfd, monkeypatch) -> None:
+    from gradwire.cli import train
+    from gradwire.cli.main import main
+
+    written: list[int] = []  # how many summaries each (re)write of --json held
+    real_write = train._write_json
+    monkeypatch.setattr(train, "_write_json", lambda path, summaries: (written.append(len(summaries)),
+                                                                         real_write(path, summaries)))
+    assert main(["train", "--data", "digits", "--workers", "2", "--batch-size", "16", "--no-eval", "--epochs", "3",
+                 "--steps-per-epoch", "2", "--steps", "5", "--method", "allreduce", "--method", "torch-fp16",
+                 "--json", str(tmp_path / "s.json"), "--timeout", "120"]) == 0
+    summaries = json.loads((tmp_path / "s.json").read_text())
+    assert [s["steps"] for s in summaries] == [5, 5]  # 2 + 2 + 1: --steps caps the total, not each epoch
+    assert written == [0, 1, 2, 2]  # checked writable first, then after each method, then at the end
+    stderr = capfd.readouterr().err  # rank 0 writes to the inherited fd 2
+    epoch_lines = [line for line in stderr.splitlines() if line.startswith("allreduce: epoch")]
+    assert [line.split(",")[1].strip() for line in epoch_lines] == ["step 2/5", "step 4/5", "step 5/5"]
+    assert stderr.splitlines()[0].startswith("gradwire train: 2 local workers")  # says something at once
+
+
+BAD_OPTIONS = [
+    (["--method", "topk:density=2"], "density=2.0 must be in (0, 1]"),
+    (["--method", "topk:values=fp17"], "value_codec='fp17' is not supported; allowed:"),
+    (["--method", "topx"], "'topx' is not supported; allowed: allreduce"),
+    (["--method", "pufferfish:rank_ratio=3"], "rank_ratio=3.0 must be in (0, 1]"),
+    (["--method", "torch-powersgd:rank=0"], "rank=0 must be >= 1"),
+    (["--workers", "100000"], "--workers=100000 is not supported; allowed: 1 to 64"),
+    (["--workers", "0"], "--workers=0 is not supported"),
+    (["--timeout", "-5"], "--timeout=-5 must be > 0"),
+    (["--data", "digits", "--batch-size", "5000"], "larger than each worker's share"),
+    (["--model", "nope"], "model='nope' is not supported; allowed: cnn"),
+    (["--data", "imagenet"], "data='imagenet' is not supported"),
+    (["--model", "lstm", "--text", "/nonexistent/file.txt"], "is not a readable file"),
+    (["--model", "cnn", "--text", __file__], "--text is for lstm, transformer"),
+    (["--out", "/proc/gradwire-cannot-write-here"], "is not a writable folder"),
+    (["--json", "/nonexistent-folder/summary.json"], "cannot be written"),
+    (["--steps", "0"], "--steps=0 must be >= 1"),
+    (["--epochs", "0"], "--epochs=0 must be >= 1"),
+    (["--nodes", "2"], "--nodes needs --cluster"),
+    (["--show", "/nonexistent/s.json"], "cannot be read"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_are_one_line_and_exit_2_before_any_worker(argv: list[str], message: str, capsys) -> None:
+    from gradwire.cli.main import main
+
+    assert main(["train", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("gradwire train: ") and message in captured.err, captured.err
+
+
+def test_the_command_itself_exits_2_with_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "gradwire", "train", "--method", "topk:density=2"],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0 and "density" in result.stderr
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "gradwire train: method 'topk:density=2': density=2.0 must be in (0, 1]\n"
+
+
+def test_tables_mark_the_better_direction_and_explain_missing_cells(capsys) -> None:
+    from gradwire.cli.train import MISSING, print_summary
+
+    phases = {f"seconds_{p}": math.nan for p in ("forward", "backward", "compress", "communicate", "decompress",
+                                                  "optimizer")}
+    summary = {"method": "torch-powersgd:rank=2", "model": "cnn", "world_size": 2, "steps": 3, "status": "ok",
+               "test_accuracy": math.nan, "final_loss": 1.0, "seconds_per_step": 0.1, "bytes_per_step": math.nan,
+               "parameters": 10, "phases": phases}
+    print_summary([summary])
+    out = capsys.readouterr().out
+    assert "nan" not in out and MISSING in out
+    assert "test acc ↑" in out and "s/step ↓" in out and "MB sent/step ↓" in out
+    assert "PowerSGD hook keeps no byte counter" in out and "no allreduce run to compare with" in out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _children(pid: int) -> list[int]:
@@ -90,8 +170,10 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
-def test_sigterm_stops_the_launcher_and_its_workers() -> None:
-    """``kill``/``timeout`` send SIGTERM; the launcher must still kill its workers on the way out."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_stopping_the_launcher_stops_its_workers(stop: signal.Signals) -> None:
+    """``kill``/``timeout`` send SIGTERM: the launcher kills its workers on the way out. SIGKILL
+    gives it no way out: the workers' parent-death signal kills them."""
     command = [sys.executable, "-m", "gradwire", "train", "--model", "cnn", "--data", "digits", "--workers", "2",
                "--epochs", "50", "--no-eval", "--method", "allreduce"]
     launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -103,11 +185,14 @@ def test_sigterm_stops_the_launcher_and_its_workers() -> None:
             workers = _children(launcher.pid)
         assert len(workers) == 2, "workers did not start"
         time.sleep(2)  # let them get into training
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(stop)
         assert launcher.wait(timeout=30) != 0
-        time.sleep(0.5)
-        alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}") and
-                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            alive = [pid for pid in workers if _running(pid)]
+            if not alive:
+                break
+            time.sleep(0.2)
         assert not alive, f"workers {alive} outlived the launcher"
     finally:
         if launcher.poll() is None:

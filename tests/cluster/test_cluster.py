@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -22,10 +23,19 @@ import pytest
 from gradwire.cluster import (
     Cluster, ClusterError, ClusterExistsError, ClusterSpec, cluster_available, command, down, netns, status, up,
 )
-from gradwire.cluster.netns import list_namespaces, tbf_parameters
+from gradwire.cluster import state
+from gradwire.cluster.netns import NETNS_ETC, list_namespaces, tbf_parameters
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 SLOW, FAST = "100mbit", "10gbit"
+
+
+@pytest.fixture(autouse=True)
+def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """State files of this test's clusters go to its own folder: `down_all` never sees others'."""
+    folder = tmp_path / "cluster-state"
+    monkeypatch.setenv(state.STATE_ENV, str(folder))
+    return folder
 
 
 @pytest.fixture
@@ -77,6 +87,8 @@ def transfer(cluster: Cluster, processes: list, sender: int, receiver: int, nbyt
     ({"bandwidth": "100"}, "bandwidth"), ({"bandwidth": "100mbps"}, "bandwidth"), ({"bandwidth": "1kbit"}, "bandwidth"),
     ({"latency": "5"}, "latency"), ({"latency": "1s"}, "latency"), ({"latency": "-1ms"}, "latency"),
     ({"prefix": "GW"}, "prefix"), ({"prefix": "gw-x"}, "prefix"), ({"prefix": "abcdefghijk"}, "prefix"),
+    ({"workers": 4, "workers_per_node": 3}, "workers_per_node"), ({"workers_per_node": 0}, "workers_per_node"),
+    ({"workers_per_node": 4}, "workers_per_node"),
 ])
 def test_spec_rejects_bad_values_naming_the_option(kwargs: dict, option: str) -> None:
     with pytest.raises(ValueError, match=rf"^{option}=.*allowed"):
@@ -103,6 +115,9 @@ def test_cluster_names_without_building_anything() -> None:
     assert Path(wrapped[0]).name == "ip" and wrapped[1:] == ["netns", "exec", "gwx-w1", "python", "-V"]
     with pytest.raises(ValueError, match="rank"):
         cluster.wrap(3, ["true"])
+    nodes = Cluster(ClusterSpec(6, workers_per_node=3, prefix="gwx"), latency_emulated=False)
+    assert nodes.spec.nodes == 2 and [nodes.node_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert nodes.node_namespaces == ["gwx-n0", "gwx-n1"] and cluster.node_namespaces == []
 
 
 # ------------------------------------------------------------------------- root needed
@@ -240,3 +255,126 @@ def test_command_up_status_down(prefix: str, capsys: pytest.CaptureFixture) -> N
     assert list_namespaces(prefix) == []
     assert command.run(parser.parse_args(["up", "--bandwidth", "fast", "--prefix", prefix])) == 2
     assert "bandwidth='fast'" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_nodes_shape_only_cross_node_traffic_and_count_it(prefix: str, processes: list) -> None:
+    """2 nodes x 2 workers at 100 Mbit/s: in-node transfers do not touch the shaped link (fast, not
+    counted on the node's uplink), cross-node ones cross it (rate-limited, counted)."""
+    nbytes = 4_000_000
+    theory = nbytes * 8 / 100e6  # 0.32 s at the node link's rate
+    with up(ClusterSpec(4, workers_per_node=2, bandwidth=SLOW, latency="0", prefix=prefix)) as cluster:
+        report = status(prefix)
+        assert all(not report["qdiscs"][namespace] for namespace in cluster.namespaces)  # workers unshaped
+        assert any(f"{prefix}-u0" in line and "tbf" in line for line in report["qdiscs"][f"{prefix}-n0"])
+        assert sum("tbf" in line for line in report["qdiscs"][f"{prefix}-hub"]) == 2  # node downlinks
+        before = cluster.counters()
+        inside = transfer(cluster, processes, 0, 1, nbytes)
+        middle = cluster.counters()
+        across = transfer(cluster, processes, 1, 2, nbytes, port=5002)
+        after = cluster.counters()
+    assert inside["bytes"] == across["bytes"] == nbytes
+    assert inside["seconds"] < 0.5 * theory, inside
+    assert across["seconds"] >= 0.8 * theory, across
+    # rank 0 -> 1 stays in node 0: its eth0 counts the bytes, node 0's uplink (almost) nothing (ARP)
+    assert middle["tx_bytes"][0] - before["tx_bytes"][0] >= nbytes
+    assert middle["node_tx_bytes"][0] - before["node_tx_bytes"][0] < 0.01 * nbytes
+    # rank 1 -> 2 leaves node 0 through its uplink and enters node 1 through its downlink
+    assert after["node_tx_bytes"][0] - middle["node_tx_bytes"][0] >= nbytes
+    assert after["node_rx_bytes"][1] - middle["node_rx_bytes"][1] >= nbytes
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_up_records_state_and_down_removes_host_files(prefix: str, private_state: Path) -> None:
+    with up(ClusterSpec(2, latency="0", prefix=prefix)):
+        record = json.loads((private_state / f"{prefix}.json").read_text())
+        assert record["namespaces"] == [f"{prefix}-hub", f"{prefix}-w0", f"{prefix}-w1"] and record["owner"] is None
+        hosts = Path(NETNS_ETC, f"{prefix}-w0", "hosts").read_text()
+        assert f"::ffff:10.231.0.2 {prefix}-w1" in hosts  # c10d sees peers as IPv4-mapped addresses
+        # a peer's name resolves inside the namespace (no "hostname cannot be retrieved" from c10d)
+        named = subprocess.run(["ip", "netns", "exec", f"{prefix}-w0", sys.executable, "-c",
+                                "import socket; print(socket.getnameinfo(('::ffff:10.231.0.2', 1, 0, 0), 0)[0])"],
+                               capture_output=True, text=True, timeout=30)
+        assert named.stdout.strip() == f"{prefix}-w1", named.stderr
+    assert not (private_state / f"{prefix}.json").exists()
+    assert not Path(NETNS_ETC, f"{prefix}-w0").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_command_nodes_prefix_first_and_down_without_arguments(prefix: str, capsys: pytest.CaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    argv = ["up", "--nodes", "2", "--workers-per-node", "2", "--bandwidth", SLOW, "--latency", "0", "--prefix", prefix]
+    assert command.run(parser.parse_args(argv)) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"cluster '{prefix}' is up: 2 nodes x 2 workers"), first
+    assert list_namespaces(prefix) == [f"{prefix}-hub", f"{prefix}-n0", f"{prefix}-n1",
+                                       *(f"{prefix}-w{r}" for r in range(4))]
+    assert command.run(parser.parse_args(["down"])) == 0
+    assert f"{prefix}-hub" in capsys.readouterr().out
+    assert list_namespaces(prefix) == []
+    assert command.run(parser.parse_args(["up", "--nodes", "2", "--workers", "3", "--prefix", prefix])) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def _alive(pid: int) -> bool:
+    return state.process_start_time(pid) is not None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_launcher_then_down_leaves_nothing(private_state: Path, processes: list) -> None:
+    """SIGKILL `gradwire train --cluster`: its workers die with it (parent-death signal), and
+    `gradwire cluster down` with no arguments removes its namespaces, host files, temp folder."""
+    ok, why = cluster_available()
+    if not ok:
+        pytest.skip(why)
+    env = dict(os.environ, **{state.STATE_ENV: str(private_state)})
+    launcher = subprocess.Popen([sys.executable, "-m", "gradwire", "train", "--cluster", "--workers", "2",
+                                 "--data", "digits", "--epochs", "50", "--no-eval", "--method", "allreduce",
+                                 "--latency", "0", "--prefix", "gwnotup"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    processes.append(launcher)
+    record: dict = {}
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and launcher.poll() is None:
+            records = state.read_all()
+            if records:
+                record = records[0]
+                workers = [int(pid) for namespace in record["namespaces"][1:] if namespace in list_namespaces(
+                    record["prefix"]) for pid in subprocess.run(["ip", "netns", "pids", namespace],
+                                                                 capture_output=True, text=True).stdout.split()]
+                if len(workers) == 2:
+                    break
+            time.sleep(0.5)
+        assert len(workers) == 2, f"workers did not start: {record}"
+        temp_dir = record["temp_dir"]
+        assert os.path.isdir(temp_dir)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "workers outlived a SIGKILLed launcher"
+        assert list_namespaces(record["prefix"]), "the killed launcher left nothing to clean: test is void"
+        done = subprocess.run([sys.executable, "-m", "gradwire", "cluster", "down"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0 and record["prefix"] in done.stdout, done
+        assert list_namespaces(record["prefix"]) == []
+        assert not any(os.path.exists(folder) for folder in record["etc_folders"])
+        assert not os.path.exists(temp_dir) and state.read_all() == []
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+        assert f"{record['prefix']}-" not in links  # no veth end in the host's namespace either
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        if record:
+            down(record["prefix"])

@@ -3,29 +3,35 @@
 With no options: the small CNN on MNIST-5k over 2 local worker processes, dense AllReduce vs
 top-k 1% with fp16 values and Rice-coded indices, three epochs each. Under ``torchrun`` it runs as
 one rank of the job torchrun started (``torchrun --nnodes ... -m gradwire train ...``).
+
+Everything that can be checked before a worker starts is checked here — method specs and their
+ranges, model/data/text, sizes, bounds, whether the outputs can be written, the cluster — and a
+problem is one line on stderr with exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
+import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from dataclasses import asdict
-from typing import Any, Iterator, Optional
+import warnings
+from typing import Any, Optional
 
 from ..tables import format_table
+from .launch import MAX_WORKERS, launch
 
-_LAUNCHES = itertools.count()
 DEFAULT_METHODS = ["allreduce", "topk:density=0.01,values=fp16,indices=rice"]
+DEFAULT_WORKERS = 2
+DEFAULT_BANDWIDTH, DEFAULT_LATENCY = "1gbit", "0.5ms"
+#: shown in the tables where a number does not exist (see the note printed under them)
+MISSING = "–"
+
+
+class UsageError(ValueError):
+    """A bad option: printed as one line, exit status 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="cnn", help="cnn, resnet18, vgg19, lstm, transformer (default cnn)")
     parser.add_argument("--data", default=None, help="mnist5k, digits, synthetic (default: mnist5k for cnn, synthetic otherwise)")
     parser.add_argument("--text", default=None, metavar="PATH", help="a local text file for lstm/transformer (byte-level)")
-    parser.add_argument("--workers", type=int, default=2, help="local worker processes (ignored under torchrun)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help=f"worker processes, 1 to {MAX_WORKERS} (default {DEFAULT_WORKERS}, or the size of the "
+                             f"cluster that is up with --cluster; ignored under torchrun)")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=None, dest="steps_per_epoch", help="cap on steps per epoch")
+    parser.add_argument("--steps", type=int, default=None, dest="max_steps",
+                        help="total training steps per method, across epochs (default: every step of every epoch)")
+    parser.add_argument("--steps-per-epoch", type=int, default=None, dest="steps_per_epoch",
+                        help="cap on the steps of each epoch")
     parser.add_argument("--warmup-steps", type=int, default=0, help="steps left out of the per-step medians")
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
@@ -46,48 +57,233 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--compute-only", action="store_true", help="forward+backward under no_sync(): no communication")
     parser.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation")
-    parser.add_argument("--out", default=None, metavar="DIR", help="write metrics-*.jsonl and summary.json here")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write metrics-*.jsonl (every step) and summary.json (after every method) here")
     parser.add_argument("--cluster", action="store_true",
-                        help="run each worker in its own network namespace behind a rate-limited link (root)")
-    parser.add_argument("--bandwidth", default="1gbit", help="with --cluster: link rate, e.g. 100mbit, 1gbit")
-    parser.add_argument("--latency", default="0.5ms", help="with --cluster: one-way link latency")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the workers are stopped")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the summaries as JSON")
+                        help="run each worker in its own network namespace behind rate-limited links (root): the "
+                             "cluster that `gradwire cluster up` made if one is up, else a temporary one")
+    parser.add_argument("--prefix", default="gw", help="with --cluster: the prefix of the cluster to use if it is up")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="with --cluster: nodes; rank r runs on node r // workers-per-node")
+    parser.add_argument("--workers-per-node", type=int, default=None,
+                        help="with --cluster: workers per node; in-node traffic is unshaped, cross-node traffic "
+                             "crosses the node's rate-limited link")
+    parser.add_argument("--bandwidth", default=None,
+                        help=f"with --cluster: link rate, e.g. 100mbit, 1gbit (default {DEFAULT_BANDWIDTH}, or the rate "
+                             f"of the cluster that is up)")
+    parser.add_argument("--latency", default=None, help=f"with --cluster: one-way link latency (default {DEFAULT_LATENCY})")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the workers are stopped (> 0)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the summaries as JSON (rewritten after every method)")
     parser.add_argument("--show", default=None, metavar="PATH", help="print the tables of a saved --json file and exit")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    """The TrainConfig of ``args``, every method spec parsed and range-checked (``UsageError``)."""
     from ..training import TrainConfig
 
+    interactive = sys.stderr.isatty()
     config = TrainConfig(
         methods=args.methods or list(DEFAULT_METHODS), model=args.model, data=args.data, text=args.text,
-        epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, warmup_steps=args.warmup_steps,
-        batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads,
+        epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, max_steps=args.max_steps,
+        warmup_steps=args.warmup_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads,
         evaluate=not args.no_eval, compute_only=args.compute_only, out=args.out,
-        progress=sys.stderr.isatty(),
+        progress=interactive, log_epochs=not interactive,
     )
-    config.validate()
+    try:
+        config.validate()
+    except ValueError as error:  # "max_steps=0 must be >= 1" -> "--steps=0 must be >= 1"
+        name, _, rest = str(error).partition("=")
+        raise UsageError(f"{_OPTION_NAMES.get(name, name)}={rest}") from None
+    try:
+        for spec in config.methods:
+            check_method(spec)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return config
 
 
+#: TrainConfig field -> the option that sets it, for error messages
+_OPTION_NAMES = {"max_steps": "--steps", "steps_per_epoch": "--steps-per-epoch", "batch_size": "--batch-size",
+                 "epochs": "--epochs", "threads": "--threads", "lr": "--lr", "warmup_steps": "--warmup-steps"}
+
+
+def check_method(spec_text: str) -> None:
+    """Parse ``spec_text`` and check every option's range, as building it on a rank would."""
+    from ..methods import TORCH_HOOKS, parse_method
+
+    spec = parse_method(spec_text)
+    try:
+        if spec.communication.name not in TORCH_HOOKS:
+            import gradwire
+
+            gradwire.CommHookState(**spec.hook_options())  # no model, no process group: checks only
+        if spec.communication.name == "torch-powersgd":
+            for key, low in (("rank", 1), ("start_iter", 2)):  # PowerSGDState wants start_iter > 1
+                if spec.communication.options.get(key, low) < low:
+                    raise ValueError(f"{key}={spec.communication.options[key]} must be >= {low}")
+        if spec.pufferfish is not None:
+            ratio = spec.pufferfish.options.get("rank_ratio", 0.25)
+            if not 0 < ratio <= 1:
+                raise ValueError(f"rank_ratio={ratio} must be in (0, 1]")
+            if spec.pufferfish.options.get("warmup_epochs", 1) < 0:
+                raise ValueError(f"warmup_epochs={spec.pufferfish.options['warmup_epochs']} must be >= 0")
+    except ValueError as error:
+        raise ValueError(f"method {spec_text!r}: {error}") from None
+
+
+def check_workload(config: Any, workers: int) -> int:
+    """Build the model and data once (what every rank will build) and return the steps per epoch;
+    ``UsageError`` if the model, data or text is unusable or no step would run."""
+    from ..workloads import SEQUENCE_MODELS, build_workload
+
+    if config.text is not None:
+        if config.model not in SEQUENCE_MODELS:
+            raise UsageError(f"--text is for {', '.join(SEQUENCE_MODELS)}; --model={config.model!r} reads images")
+        if not os.path.isfile(config.text) or not os.access(config.text, os.R_OK):
+            raise UsageError(f"--text={config.text!r} is not a readable file")
+    try:
+        workload = build_workload(config.model, config.data, seed=config.seed, text=config.text,
+                                  synthetic_size=config.synthetic_size)
+    except (ValueError, OSError) as error:
+        raise UsageError(str(error)) from None
+    share = math.ceil(len(workload.train) / workers)  # DistributedSampler pads to equal shares
+    steps = share // config.batch_size  # drop_last
+    if steps == 0:
+        raise UsageError(f"--batch-size={config.batch_size} is larger than each worker's share of the training set "
+                         f"({share} of {len(workload.train)} examples over {workers} workers): no step would run")
+    return min(steps, config.steps_per_epoch or steps)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Make sure --out and --json can be written before any training starts."""
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=args.out, prefix=".gradwire-write-check-"):
+                pass
+        except OSError as error:
+            raise UsageError(f"--out={args.out!r} is not a writable folder ({error.strerror or error})") from None
+    if args.json:
+        if os.path.isdir(args.json):
+            raise UsageError(f"--json={args.json!r} is a folder; give a file path")
+        try:
+            _write_json(args.json, [])  # created now, rewritten after every method
+        except OSError as error:
+            raise UsageError(f"--json={args.json!r} cannot be written ({error.strerror or error})") from None
+
+
+def _write_json(path: str, summaries: list[dict[str, Any]]) -> None:
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump(summaries, handle, indent=1, default=str)
+    os.replace(partial, path)
+
+
+def _check_bounds(args: argparse.Namespace) -> None:
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout={args.timeout:g} must be > 0 seconds")
+    for option, value in (("--workers", args.workers), ("--nodes", args.nodes),
+                          ("--workers-per-node", args.workers_per_node)):
+        if value is not None and not 1 <= value <= MAX_WORKERS:
+            raise UsageError(f"{option}={value} is not supported; allowed: 1 to {MAX_WORKERS}")
+    if not args.cluster:
+        for option, value in (("--nodes", args.nodes), ("--workers-per-node", args.workers_per_node),
+                              ("--bandwidth", args.bandwidth), ("--latency", args.latency)):
+            if value is not None:
+                raise UsageError(f"{option} needs --cluster")
+
+
+def _cluster_plan(args: argparse.Namespace) -> tuple[int, Any]:
+    """(workers, what to pass to launch as ``cluster``): the cluster that is up, or a spec for a
+    temporary one; ``UsageError`` when the options contradict the cluster that is up."""
+    from ..cluster import ClusterSpec, find, temporary_prefix
+
+    running = find(args.prefix)
+    if running is not None:
+        spec = running.spec
+        asked = {"--workers": (args.workers, spec.workers), "--nodes": (args.nodes, spec.nodes),
+                 "--workers-per-node": (args.workers_per_node, spec.workers_per_node),
+                 "--bandwidth": (args.bandwidth, spec.bandwidth), "--latency": (args.latency, spec.latency)}
+        for option, (value, actual) in asked.items():
+            if value is not None and value != actual:
+                raise UsageError(f"{option}={value} differs from the cluster {spec.prefix!r} that is up ({actual}); "
+                                 f"drop {option} to use that cluster, or remove it with `gradwire cluster down` to "
+                                 f"train in a temporary one")
+        _note(f"using the cluster {spec.prefix!r} that is up: {running.describe()}")
+        return spec.workers, running
+    nodes, per_node = args.nodes, args.workers_per_node
+    if nodes is None and per_node is None:
+        workers, per_node = args.workers or DEFAULT_WORKERS, 1
+    else:
+        per_node = per_node or 1
+        nodes = nodes or math.ceil((args.workers or DEFAULT_WORKERS) / per_node)
+        workers = nodes * per_node
+        if args.workers is not None and args.workers != workers:
+            raise UsageError(f"--workers={args.workers} is not --nodes x --workers-per-node ({nodes} x {per_node})")
+    try:
+        spec = ClusterSpec(workers=workers, bandwidth=args.bandwidth or DEFAULT_BANDWIDTH,
+                           latency=args.latency or DEFAULT_LATENCY, workers_per_node=per_node,
+                           prefix=temporary_prefix())
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    _note(f"no cluster {args.prefix!r} is up (`gradwire cluster up`); building a temporary one for this run: "
+          f"{spec.describe()}; removed when the run ends")
+    return workers, spec
+
+
+def _note(text: str) -> None:
+    print(f"gradwire train: {text}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.show:
-        with open(args.show) as handle:
-            print_summary(json.load(handle))
-        return 0
-    config = config_from_args(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    try:
+        if args.show:
+            try:
+                with open(args.show) as handle:
+                    summaries = json.load(handle)
+            except (OSError, ValueError) as error:
+                raise UsageError(f"--show={args.show!r} cannot be read as a saved --json file ({error})") from None
+            print_summary(summaries)
+            return 0
+        _check_bounds(args)
+        config = config_from_args(args)
+        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        cluster = None
+        if under_torchrun:
+            workers = int(os.environ["WORLD_SIZE"])
+        elif args.cluster:
+            workers, cluster = _cluster_plan(args)
+        else:
+            workers = args.workers or DEFAULT_WORKERS
+        steps_per_epoch = check_workload(config, workers)
+        check_outputs(args)
+    except UsageError as error:
+        print(f"gradwire train: {error}", file=sys.stderr)
+        return 2
+    if under_torchrun:
         summaries = _run_under_torchrun(config)
     else:
-        if args.workers < 1:
-            raise ValueError(f"--workers={args.workers} must be >= 1")
-        summaries = launch(config, args.workers, timeout=args.timeout,
-                           cluster=(args.bandwidth, args.latency) if args.cluster else None)
-    if summaries is not None:
-        print_summary(summaries)
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(summaries, handle, indent=1, default=str)
+        total = min(config.epochs * steps_per_epoch, config.max_steps or config.epochs * steps_per_epoch)
+        _note(f"{workers} {'worker namespaces' if cluster is not None else 'local workers'}, {config.model}"
+              f"{' on ' + (config.data or 'its default data') if config.text is None else ' on ' + config.text}, "
+              f"{len(config.methods)} method(s) x {total} steps; starting the workers "
+              f"({'a progress bar' if config.progress else 'one line per epoch'} follows)")
+        saver = (lambda partial: _write_json(args.json, partial)) if args.json else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summaries = launch(config, workers, timeout=args.timeout, cluster=cluster, on_summaries=saver)
+        for warning in caught:
+            _note(f"warning: {warning.message}")
+    if summaries is None:  # a torchrun rank other than 0
+        return 0
+    print_summary(summaries)
+    if args.json:
+        _write_json(args.json, summaries)
+    empty = [s["method"] for s in summaries if s.get("status", "ok") == "ok" and s["steps"] == 0]
+    if empty:
+        print(f"gradwire train: {', '.join(empty)} trained 0 steps", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -108,118 +304,53 @@ def _run_under_torchrun(config: Any) -> Optional[list[dict[str, Any]]]:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(config: Any, workers: int, *, timeout: float = 3600,
-           cluster: Optional[tuple[str, str]] = None) -> list[dict[str, Any]]:
-    """Start ``workers`` worker processes (in network namespaces with ``cluster=(bandwidth,
-    latency)``), wait for them, and return rank 0's summaries. Workers are killed on error,
-    timeout, Ctrl-C or SIGTERM; the namespaces are removed in every case."""
-    with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="gradwire-train-") as folder:
-        config_path = os.path.join(folder, "config.json")
-        result_path = os.path.join(folder, "result.json")
-        with open(config_path, "w") as handle:
-            json.dump(asdict(config), handle)
-        argv = [sys.executable, "-m", "gradwire.cli.worker", config_path, result_path]
-        if cluster is None:
-            _run_processes([argv] * workers, "127.0.0.1", timeout, interfaces=None)
-        else:
-            from ..cluster import ClusterSpec, up
-
-            bandwidth, latency = cluster
-            # a prefix of our own, so concurrent runs never collide
-            prefix = f"g{os.getpid() % 10**6}{next(_LAUNCHES) % 1000}"
-            with up(ClusterSpec(workers=workers, bandwidth=bandwidth, latency=latency, prefix=prefix)) as emulated:
-                commands = [emulated.wrap(rank, argv) for rank in range(workers)]
-                interfaces = [emulated.interface(rank) for rank in range(workers)]
-                _run_processes(commands, emulated.master_addr, timeout, interfaces=interfaces)
-                wire_bytes = [emulated.bytes_sent(rank) for rank in range(workers)]
-        with open(result_path) as handle:
-            summaries = json.load(handle)
-        if cluster is not None:
-            for summary in summaries:  # counters cover the whole launch: every method, setup included
-                summary["link"] = {"bandwidth": cluster[0], "latency": cluster[1],
-                                   "latency_emulated": emulated.latency_emulated,
-                                   "launch_bytes_sent_by_rank": wire_bytes}
-        return summaries
-
-
-@contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """Turn SIGTERM (``kill``, ``timeout``, job schedulers) into SystemExit while launching, so the
-    clean-up that Ctrl-C gets (workers killed, namespaces removed) runs for it too. Python's
-    default for SIGTERM is to die on the spot."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _run_processes(commands: list[list[str]], master_addr: str, timeout: float,
-                   interfaces: Optional[list[str]]) -> None:
-    port = _free_port()
-    processes: list[subprocess.Popen] = []
-    try:
-        for rank, command in enumerate(commands):
-            env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank),
-                       WORLD_SIZE=str(len(commands)), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(commands)),
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-            if interfaces is not None:
-                env["GLOO_SOCKET_IFNAME"] = interfaces[rank]
-            processes.append(subprocess.Popen(command, env=env, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in processes]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"worker {failed[0][0]} exited with code {failed[0][1]}; see its output above")
-            if all(code == 0 for code in codes):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not finish within {timeout:.0f} s")
-            time.sleep(0.2)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+def _number(value: Any, fmt: str) -> str:
+    return MISSING if value is None or value != value else format(value, fmt)
 
 
 def print_summary(summaries: list[dict[str, Any]]) -> None:
+    """The comparison tables; ↑ marks a column where higher is better, ↓ lower."""
     baseline = next((s for s in summaries if s["method"] == "allreduce"), None)
     first = summaries[0]
     print(f"\n{first['model']} on {first['world_size']} workers, {first['steps']} steps per method")
-    rows = []
+    rows, missing = [], set()
     for s in summaries:
-        ratio = s["seconds_per_step"] / baseline["seconds_per_step"] if baseline else float("nan")
-        byte_ratio = s["bytes_per_step"] / baseline["bytes_per_step"] if baseline and baseline["bytes_per_step"] else float("nan")
-        accuracy = f"{s['test_accuracy']:.4f}" if s.get("status", "ok") == "ok" else "diverged"
-        rows.append([s["method"], accuracy, f"{s['final_loss']:.4g}", f"{s['seconds_per_step']:.3f}",
-                     f"{ratio:.2f}", f"{s['bytes_per_step'] / 1e6:.3f}", f"{byte_ratio:.4f}", f"{s['parameters']:,}"])
-    print(format_table(["method", "test acc", "final loss", "s/step", "x allreduce", "MB sent/step", "x bytes",
-                        "params"], rows))
+        ratio = s["seconds_per_step"] / baseline["seconds_per_step"] if baseline else math.nan
+        byte_ratio = (s["bytes_per_step"] / baseline["bytes_per_step"]
+                      if baseline and baseline["bytes_per_step"] else math.nan)
+        ok = s.get("status", "ok") == "ok"
+        accuracy = _number(s["test_accuracy"], ".4f") if ok else "diverged"
+        if ok and s["test_accuracy"] != s["test_accuracy"]:
+            missing.add("test acc: not evaluated (--no-eval)")
+        if s["bytes_per_step"] != s["bytes_per_step"]:
+            missing.add("MB sent: PyTorch's PowerSGD hook keeps no byte counter")
+        if baseline is None:
+            missing.add("x allreduce: no allreduce run to compare with")
+        rows.append([s["method"], accuracy, _number(s["final_loss"], ".4g"), _number(s["seconds_per_step"], ".3f"),
+                     _number(ratio, ".2f"), _number(s["bytes_per_step"] / 1e6, ".3f"), _number(byte_ratio, ".4f"),
+                     f"{s['parameters']:,}"])
+    print(format_table(["method", "test acc ↑", "final loss ↓", "s/step ↓", "time x allreduce ↓", "MB sent/step ↓",
+                        "bytes x allreduce ↓", "params"], rows))
     phases = ("forward", "backward", "compress", "communicate", "decompress", "optimizer")
-    print("\nmedian seconds per step by phase (backward includes the hook; communicate overlaps backward)")
-    print(format_table(["method", *phases], [
-        [s["method"], *(_seconds(s["phases"].get(f"seconds_{phase}")) for phase in phases)] for s in summaries]))
-
-
-def _seconds(value: Any) -> str:
-    return "-" if value is None or value != value else f"{value:.3f}"
+    print("\nmedian seconds per step by phase, lower is better (backward includes the hook; communicate overlaps "
+          "backward)")
+    phase_rows = [[s["method"], *(_number(s["phases"].get(f"seconds_{phase}"), ".3f") for phase in phases)]
+                  for s in summaries]
+    if any(MISSING in row[3:6] for row in phase_rows):
+        missing.add("compress/communicate/decompress: only gradwire's hook times its phases")
+    print(format_table(["method", *phases], phase_rows))
+    link = first.get("link")
+    if link and link.get("tx_bytes"):
+        print(f"\nbytes on the wire during the whole launch (interface counters; every method and setup), "
+              f"{link['bandwidth']} links, {link['nodes']} node(s) x {link['workers_per_node']} worker(s)")
+        per_node = link["workers_per_node"]
+        headers = ["rank", "node", "MB sent", "MB received"]
+        rows = [[rank, rank // per_node, f"{sent / 1e6:.3f}", f"{received / 1e6:.3f}"]
+                for rank, (sent, received) in enumerate(zip(link["tx_bytes"], link["rx_bytes"]))]
+        print(format_table(headers, rows))
+        if link.get("node_tx_bytes"):
+            print(format_table(["node", "MB sent across nodes", "MB received across nodes"],
+                               [[node, f"{sent / 1e6:.3f}", f"{received / 1e6:.3f}"] for node, (sent, received)
+                                in enumerate(zip(link["node_tx_bytes"], link["node_rx_bytes"]))]))
+    if missing:
+        print(f"\n{MISSING}: " + "; ".join(sorted(missing)))

@@ -1,7 +1,13 @@
 """One training rank, started by ``gradwire train``'s launcher: ``python -m gradwire.cli.worker CONFIG RESULT``.
 
 Reads the TrainConfig JSON at CONFIG; rendezvous through the usual torch.distributed variables
-(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE); rank 0 writes the summaries to RESULT as JSON.
+(RANK, WORLD_SIZE, and MASTER_ADDR/MASTER_PORT or GRADWIRE_INIT_METHOD, e.g. ``file://...`` for a
+local run, which opens no listening socket); rank 0 rewrites the summaries so far to RESULT as
+JSON after every method, so the launcher can save them as they come.
+
+It dies with its launcher: Linux sends it SIGKILL when the launcher's thread that started it
+exits (``prctl(PR_SET_PDEATHSIG)``, set by the launcher between fork and exec), so even a
+SIGKILLed launcher leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ import torch
 import torch.distributed as dist
 
 
+def _write_atomically(path: str, summaries: list) -> None:
+    """Write then rename, so the launcher never reads half a file."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump(summaries, handle, default=str)
+    os.replace(partial, path)
+
+
 def main(argv: list[str]) -> int:
     config_path, result_path = argv
     from ..training import TrainConfig, run_rank
@@ -26,12 +40,15 @@ def main(argv: list[str]) -> int:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=float(os.environ.get("GRADWIRE_PG_TIMEOUT", "300")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    init_method = os.environ.get("GRADWIRE_INIT_METHOD", "env://")
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
-        summaries = run_rank(config)
-        if dist.get_rank() == 0:
-            with open(result_path, "w") as handle:
-                json.dump(summaries, handle, default=str)
+        def save(summaries: list) -> None:
+            if dist.get_rank() == 0:
+                _write_atomically(result_path, summaries)
+
+        run_rank(config, on_summary=save)
         dist.barrier()  # nobody tears down its gloo pairs while a peer still uses them
     finally:
         dist.destroy_process_group()

@@ -12,6 +12,24 @@ worker receives), so each worker has an uplink and a downlink of ``bandwidth`` e
 on a non-blocking switch. A worker-to-worker packet crosses two shaped egresses, so the added
 one-way ``latency`` is split in two halves, one per egress (tc ``netem``, when the kernel has it).
 
+With nodes, ``ClusterSpec(workers=4, workers_per_node=2, prefix="gw")``::
+
+    gw-w0: eth0 10.231.0.1 --veth-- gw-h0 ┐ bridge gw-b0   gw-u0 --veth-- gw-d0 ┐
+    gw-w1: eth0 10.231.0.2 --veth-- gw-h1 ┘ in node gw-n0  (shaped both ways)   │ bridge gw-br
+    gw-w2: eth0 10.231.0.3 --veth-- gw-h2 ┐ bridge gw-b1   gw-u1 --veth-- gw-d1 ┘ in gw-hub
+    gw-w3: eth0 10.231.0.4 --veth-- gw-h3 ┘ in node gw-n1  (shaped both ways)
+
+Rank r is on node r // workers_per_node. The workers' own links are not shaped: two workers of
+one node talk through their node's bridge at memory speed, while traffic between nodes crosses
+the sending node's uplink ``gw-u{j}`` and the receiving node's downlink ``gw-d{j}``, each
+``bandwidth``, like one NIC per machine. Its counters give the bytes that crossed nodes.
+
+Inside a namespace no name resolves (no DNS), and c10d warns on every connection that it
+cannot name its peer; each worker namespace gets an ``/etc/netns/{namespace}/hosts`` that names
+all workers (``ip netns exec`` mounts it over ``/etc/hosts``), removed by :func:`down`.
+What a cluster created is recorded in a state file first (:mod:`.state`), so :func:`down_all`
+finds everything even after its launcher was killed.
+
 Nothing in the host's own network namespace is created, changed or routed: the bridge lives in
 its own hub namespace, the veth ends are created directly inside their namespaces, and the
 namespaces have no default route, so traffic between workers cannot leave them. Every name
@@ -30,16 +48,22 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
+import tempfile
+import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from . import state
 
 #: first three octets of the private /24 used only inside the namespaces; rank i gets .(i + 1)
 SUBNET_PREFIX = "10.231.0"
 SUBNET_BITS = 24
 #: name of the worker-side veth end; the same in every worker namespace (each has its own)
 WORKER_INTERFACE = "eth0"
+#: most workers in one launch; every launcher (local or emulated cluster) keeps to it
 MAX_WORKERS = 64
 #: prefix: a lowercase letter then up to 9 letters/digits, so that the longest interface name,
 #: "{prefix}-h63", fits Linux's 15-character limit (IFNAMSIZ - 1) and no prefix's names can be
@@ -62,6 +86,9 @@ BURST_SECONDS = 0.004  # one tick at HZ=250
 #: only adds delay for small messages stuck behind a bulk transfer (bufferbloat).
 QUEUE_SECONDS = 0.02
 MIN_QUEUE_BYTES = 1024 * 1024
+
+#: where ``ip netns exec`` finds files to mount over /etc inside a namespace (iproute2's convention)
+NETNS_ETC = "/etc/netns"
 
 NEEDS_ROOT = "gradwire cluster needs root (CAP_NET_ADMIN) to create network namespaces; run as root or use local workers"
 
@@ -107,17 +134,25 @@ class ClusterSpec:
     ``bandwidth`` is a tc rate (``"100mbit"``, ``"1gbit"``; bits per second, SI units),
     ``latency`` the added one-way delay between two workers (``"500us"``, ``"0.5ms"``, ``"0"``),
     ``prefix`` the start of every namespace and interface name (lowercase letter, then up to 9
-    letters or digits). Raises ``ValueError`` naming the option on a bad value.
+    letters or digits). ``workers_per_node`` > 1 groups ranks into nodes (rank r on node
+    r // workers_per_node): unshaped links inside a node, ``bandwidth`` up and down per node.
+    Raises ``ValueError`` naming the option on a bad value.
     """
 
     workers: int
     bandwidth: str = "1gbit"
     latency: str = "0.5ms"
     prefix: str = "gw"
+    workers_per_node: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers={self.workers!r} is not supported; allowed: an integer from 1 to {MAX_WORKERS}")
+        per_node = self.workers_per_node
+        if isinstance(per_node, bool) or not isinstance(per_node, int) or not 1 <= per_node <= self.workers \
+                or self.workers % per_node:
+            raise ValueError(f"workers_per_node={per_node!r} is not supported; allowed: a divisor of "
+                             f"workers={self.workers} (1 to {self.workers})")
         parse_rate("bandwidth", self.bandwidth)
         parse_latency("latency", self.latency)
         if not isinstance(self.prefix, str) or not PREFIX_PATTERN.fullmatch(self.prefix):
@@ -133,6 +168,25 @@ class ClusterSpec:
     def latency_us(self) -> float:
         """The added one-way worker-to-worker latency in microseconds."""
         return parse_latency("latency", self.latency)
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes (each worker is its own node when ``workers_per_node`` is 1)."""
+        return self.workers // self.workers_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node that rank ``rank`` runs on."""
+        return rank // self.workers_per_node
+
+    def describe(self, *, prefix: bool = True) -> str:
+        """One line: (prefix,) size, rates."""
+        if self.workers_per_node == 1:
+            shape = f"{self.workers} worker(s), each {self.bandwidth} up and down"
+        else:
+            shape = (f"{self.nodes} nodes x {self.workers_per_node} workers, each node {self.bandwidth} up and down, "
+                     f"unshaped inside a node")
+        latency = "no added latency" if self.latency_us == 0 else f"latency {self.latency}"
+        return f"prefix {self.prefix!r}, {shape}, {latency}" if prefix else f"{shape}, {latency}"
 
 
 # ---------------------------------------------------------------------------------------- names
@@ -158,13 +212,33 @@ def hub_link_name(prefix: str, rank: int) -> str:
     return f"{prefix}-h{rank}"
 
 
+def node_namespace(prefix: str, node: int) -> str:
+    """Name of node ``node``'s namespace (node layout only): its bridge and its uplink."""
+    return f"{prefix}-n{node}"
+
+
+def node_bridge_name(prefix: str, node: int) -> str:
+    """Name of node ``node``'s bridge (inside the node's namespace)."""
+    return f"{prefix}-b{node}"
+
+
+def uplink_name(prefix: str, node: int) -> str:
+    """Node-side end of node ``node``'s shaped link to the hub (egress: what the node sends)."""
+    return f"{prefix}-u{node}"
+
+
+def downlink_name(prefix: str, node: int) -> str:
+    """Hub-side end of node ``node``'s shaped link (egress: what the node receives)."""
+    return f"{prefix}-d{node}"
+
+
 def worker_address(rank: int) -> str:
     """IPv4 address of rank ``rank`` (no prefix length)."""
     return f"{SUBNET_PREFIX}.{rank + 1}"
 
 
 def _owned_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"{re.escape(prefix)}-(?:hub|w\d+)")
+    return re.compile(rf"{re.escape(prefix)}-(?:hub|w\d+|n\d+)")
 
 
 # ----------------------------------------------------------------------------------- subprocess
@@ -239,7 +313,7 @@ def require_available() -> None:
 
 
 def list_namespaces(prefix: str = "gw") -> list[str]:
-    """Existing namespaces named like a cluster with this prefix makes: hub first, then workers by rank."""
+    """Existing namespaces named like a cluster with this prefix makes: hub first, then nodes, then workers."""
     output = _run(["ip", "netns", "list"], "listing network namespaces")
     pattern = _owned_pattern(prefix)
     names = [line.split()[0] for line in output.splitlines() if line.strip()]
@@ -247,7 +321,10 @@ def list_namespaces(prefix: str = "gw") -> list[str]:
     hub = hub_namespace(prefix)
 
     def order(name: str) -> tuple[int, int]:
-        return (0, 0) if name == hub else (1, int(name.rsplit("-w", 1)[1]))
+        if name == hub:
+            return (0, 0)
+        kind, number = name.rsplit("-", 1)[1][0], int(name.rsplit("-", 1)[1][1:])
+        return (1 if kind == "n" else 2, number)
 
     return sorted(owned, key=order)
 
@@ -340,6 +417,13 @@ class Cluster:
         return [worker_namespace(self.spec.prefix, rank) for rank in range(self.spec.workers)]
 
     @property
+    def node_namespaces(self) -> list[str]:
+        """Node namespace names, by node (empty when every worker is its own node)."""
+        if self.spec.workers_per_node == 1:
+            return []
+        return [node_namespace(self.spec.prefix, node) for node in range(self.spec.nodes)]
+
+    @property
     def hub_namespace(self) -> str:
         """The namespace that holds the bridge and the hub-side links."""
         return hub_namespace(self.spec.prefix)
@@ -353,6 +437,18 @@ class Cluster:
     def master_addr(self) -> str:
         """Rank 0's address, for MASTER_ADDR."""
         return worker_address(0)
+
+    def describe(self, *, prefix: bool = True) -> str:
+        """One line: the spec, and whether the latency is emulated."""
+        text = self.spec.describe(prefix=prefix)
+        if self.spec.latency_us > 0 and not self.latency_emulated:
+            text += " (NOT emulated: no tc netem)"
+        return text
+
+    def node_of(self, rank: int) -> int:
+        """The node that rank ``rank`` runs on."""
+        self._check_rank(rank)
+        return self.spec.node_of(rank)
 
     def interface(self, rank: int) -> str:
         """Worker-side interface name inside rank ``rank``'s namespace (for GLOO_SOCKET_IFNAME)."""
@@ -370,9 +466,24 @@ class Cluster:
     def bytes_sent(self, rank: int) -> int:
         """Bytes worker ``rank``'s interface has transmitted so far (kernel counter, headers included)."""
         self._check_rank(rank)
-        text = _run(["ip", "netns", "exec", self.namespaces[rank], "cat",
-                     f"/sys/class/net/{self.interface(rank)}/statistics/tx_bytes"], "read tx_bytes")
-        return int(text.strip())
+        return _link_counters(self.namespaces[rank], WORKER_INTERFACE)[0]
+
+    def counters(self) -> dict[str, list[int]]:
+        """Kernel byte counters (headers included) since the cluster came up, read now:
+
+        ``tx_bytes``/``rx_bytes``: per rank, on the worker's ``eth0`` (all its traffic);
+        ``node_tx_bytes``/``node_rx_bytes``: per node, what crossed the node's shaped link out
+        of / into the node — the cross-node traffic (with one worker per node, the worker's own).
+        Subtract two readings to get the bytes of what ran in between.
+        """
+        per_rank = [_link_counters(namespace, WORKER_INTERFACE) for namespace in self.namespaces]
+        if self.spec.workers_per_node == 1:
+            per_node = per_rank
+        else:
+            per_node = [_link_counters(namespace, uplink_name(self.spec.prefix, node))
+                        for node, namespace in enumerate(self.node_namespaces)]
+        return {"tx_bytes": [tx for tx, _ in per_rank], "rx_bytes": [rx for _, rx in per_rank],
+                "node_tx_bytes": [tx for tx, _ in per_node], "node_rx_bytes": [rx for _, rx in per_node]}
 
     def down(self) -> list[str]:
         """Delete this cluster's namespaces (see :func:`down`); safe to call more than once."""
@@ -391,12 +502,54 @@ class Cluster:
         self.down()
 
 
-def up(spec: ClusterSpec) -> Cluster:
+def _link_counters(namespace: str, device: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of ``device`` in ``namespace``: one ``ip -s`` call, no shell."""
+    text = _run(["ip", "-n", namespace, "-s", "-j", "link", "show", "dev", device], f"reading counters of {device}")
+    import json
+
+    stats = json.loads(text)[0]["stats64"]
+    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+
+def _planned_namespaces(spec: ClusterSpec) -> list[str]:
+    nodes = [] if spec.workers_per_node == 1 else [node_namespace(spec.prefix, n) for n in range(spec.nodes)]
+    return [hub_namespace(spec.prefix), *nodes, *(worker_namespace(spec.prefix, r) for r in range(spec.workers))]
+
+
+def _write_hosts(spec: ClusterSpec) -> list[str]:
+    """An /etc/netns/{worker namespace}/hosts per worker naming every worker; returns the folders."""
+    # c10d's store listens on "::", so it sees peers as IPv4-mapped IPv6 addresses: name both forms
+    lines = "".join(f"{worker_address(r)} {worker_namespace(spec.prefix, r)}\n"
+                    f"::ffff:{worker_address(r)} {worker_namespace(spec.prefix, r)}\n" for r in range(spec.workers))
+    folders = []
+    for rank in range(spec.workers):
+        folder = os.path.join(NETNS_ETC, worker_namespace(spec.prefix, rank))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w") as handle:
+            handle.write("127.0.0.1 localhost\n" + lines)
+        folders.append(folder)
+    return folders
+
+
+def temporary_prefix() -> str:
+    """A prefix no other live launch uses: ``g`` + pid + a counter (at most 10 characters)."""
+    global _launches
+    _launches += 1
+    return f"g{os.getpid() % 10**6}{_launches % 1000}"
+
+
+_launches = 0
+
+
+def up(spec: ClusterSpec, *, owner_pid: Optional[int] = None, temp_dir: Optional[str] = None) -> Cluster:
     """Build the cluster ``spec`` describes and return it; on any failure delete what was built.
 
-    Raises ClusterUnavailableError without root/iproute2, ClusterExistsError if namespaces with
-    the prefix exist already, ClusterError if a step fails. Takes about 10 ms per ``ip``/``tc``
-    call, roughly 10 calls per worker.
+    The state file (:mod:`.state`) is written first: the names about to be created, the owner
+    (``owner_pid``: a launcher whose death makes the cluster an orphan for :func:`down_all`;
+    None for a cluster that stays up until ``down``) and ``temp_dir`` (a launch folder that
+    ``down`` removes too). Raises ClusterUnavailableError without root/iproute2,
+    ClusterExistsError if namespaces with the prefix exist already, ClusterError if a step
+    fails. About 10 ms per ``ip``/``tc`` call, roughly 10 calls per worker.
     """
     require_available()
     prefix = spec.prefix
@@ -404,77 +557,167 @@ def up(spec: ClusterSpec) -> Cluster:
     if existing:
         raise ClusterExistsError(f"a cluster with prefix {prefix!r} exists already ({', '.join(existing)}); "
                                  f"remove it with `gradwire cluster down --prefix {prefix}` or pick another --prefix")
-    hub, bridge = hub_namespace(prefix), bridge_name(prefix)
-    latency_wanted = spec.latency_us > 0
-    use_netem = False
+    record: dict[str, Any] = {
+        "prefix": prefix, "spec": asdict(spec), "namespaces": _planned_namespaces(spec),
+        "etc_folders": [os.path.join(NETNS_ETC, worker_namespace(prefix, r)) for r in range(spec.workers)],
+        "owner": state.owner(owner_pid) if owner_pid is not None else None, "temp_dir": temp_dir,
+        "latency_emulated": False, "created": time.time(),
+    }
+    state.write(prefix, record)
     try:
-        _run(["ip", "netns", "add", hub], f"creating namespace {hub}")
-        _run(["ip", "-n", hub, "link", "set", "lo", "up"], f"bringing up lo in {hub}")
-        # STP is off by default, so ports forward at once (no 15 s listening/learning delay)
-        _run(["ip", "-n", hub, "link", "add", bridge, "type", "bridge"], f"creating bridge {bridge} in {hub}")
-        _run(["ip", "-n", hub, "link", "set", bridge, "up"], f"bringing up {bridge} in {hub}")
-        for rank in range(spec.workers):
-            namespace, link = worker_namespace(prefix, rank), hub_link_name(prefix, rank)
-            _run(["ip", "netns", "add", namespace], f"creating namespace {namespace}")
-            _run(["ip", "-n", namespace, "link", "set", "lo", "up"], f"bringing up lo in {namespace}")
-            # both ends are born inside their namespaces: nothing appears in the host's namespace,
-            # and "eth0" cannot clash with the host's own interfaces
-            _run(["ip", "link", "add", link, "netns", hub, "type", "veth", "peer", "name", WORKER_INTERFACE,
-                  "netns", namespace], f"creating the veth pair {link}/{WORKER_INTERFACE} for {namespace}")
-            _run(["ip", "-n", hub, "link", "set", link, "master", bridge], f"attaching {link} to {bridge}")
-            _run(["ip", "-n", hub, "link", "set", link, "up"], f"bringing up {link} in {hub}")
-            _run(["ip", "-n", namespace, "addr", "add", f"{worker_address(rank)}/{SUBNET_BITS}", "dev",
-                  WORKER_INTERFACE], f"addressing {WORKER_INTERFACE} in {namespace}")
-            _run(["ip", "-n", namespace, "link", "set", WORKER_INTERFACE, "up"],
-                 f"bringing up {WORKER_INTERFACE} in {namespace}")
-            if rank == 0 and latency_wanted:
-                use_netem = _netem_available(namespace, WORKER_INTERFACE)
-                if not use_netem:
-                    warnings.warn(f"this kernel has no tc netem (CONFIG_NET_SCH_NETEM); latency={spec.latency!r} is "
-                                  f"not emulated, only bandwidth={spec.bandwidth!r}", RuntimeWarning, stacklevel=2)
-            _shape(namespace, WORKER_INTERFACE, spec, use_netem)  # what the worker sends
-            _shape(hub, link, spec, use_netem)  # what the worker receives
+        use_netem = _build(spec)
+        _write_hosts(spec)
     except BaseException:  # KeyboardInterrupt half-way included: leave nothing behind
         try:
             down(prefix)
         except ClusterError as cleanup_error:
             warnings.warn(f"cleanup after a failed `up` failed too: {cleanup_error}", RuntimeWarning, stacklevel=2)
         raise
+    state.write(prefix, {**record, "latency_emulated": use_netem})
     return Cluster(spec=spec, latency_emulated=use_netem)
 
 
-def down(prefix: str = "gw") -> list[str]:
-    """Delete every namespace named ``{prefix}-hub`` or ``{prefix}-w<N>``; return the names deleted.
+def _build(spec: ClusterSpec) -> bool:
+    """Create the namespaces, links and qdiscs; returns whether latency is emulated (netem)."""
+    prefix = spec.prefix
+    hub, bridge = hub_namespace(prefix), bridge_name(prefix)
+    nodes = spec.workers_per_node > 1
+    use_netem = False
+    _run(["ip", "netns", "add", hub], f"creating namespace {hub}")
+    _run(["ip", "-n", hub, "link", "set", "lo", "up"], f"bringing up lo in {hub}")
+    # STP is off by default, so ports forward at once (no 15 s listening/learning delay)
+    _run(["ip", "-n", hub, "link", "add", bridge, "type", "bridge"], f"creating bridge {bridge} in {hub}")
+    _run(["ip", "-n", hub, "link", "set", bridge, "up"], f"bringing up {bridge} in {hub}")
+    if nodes:
+        for node in range(spec.nodes):
+            namespace, node_bridge = node_namespace(prefix, node), node_bridge_name(prefix, node)
+            up_link, down_link = uplink_name(prefix, node), downlink_name(prefix, node)
+            _run(["ip", "netns", "add", namespace], f"creating namespace {namespace}")
+            _run(["ip", "-n", namespace, "link", "add", node_bridge, "type", "bridge"], f"creating bridge {node_bridge}")
+            _run(["ip", "-n", namespace, "link", "set", node_bridge, "up"], f"bringing up {node_bridge}")
+            _run(["ip", "link", "add", up_link, "netns", namespace, "type", "veth", "peer", "name", down_link,
+                  "netns", hub], f"creating the node link {up_link}/{down_link}")
+            _run(["ip", "-n", namespace, "link", "set", up_link, "master", node_bridge], f"attaching {up_link}")
+            _run(["ip", "-n", hub, "link", "set", down_link, "master", bridge], f"attaching {down_link}")
+            _run(["ip", "-n", namespace, "link", "set", up_link, "up"], f"bringing up {up_link}")
+            _run(["ip", "-n", hub, "link", "set", down_link, "up"], f"bringing up {down_link}")
+            if node == 0 and spec.latency_us > 0:
+                use_netem = _probe_netem(spec, namespace, up_link)
+            _shape(namespace, up_link, spec, use_netem)  # what the node sends to other nodes
+            _shape(hub, down_link, spec, use_netem)  # what the node receives from other nodes
+    for rank in range(spec.workers):
+        namespace, link = worker_namespace(prefix, rank), hub_link_name(prefix, rank)
+        # a worker hangs off its node's bridge (unshaped) or, one per node, off the hub (shaped)
+        parent = node_namespace(prefix, spec.node_of(rank)) if nodes else hub
+        parent_bridge = node_bridge_name(prefix, spec.node_of(rank)) if nodes else bridge
+        _run(["ip", "netns", "add", namespace], f"creating namespace {namespace}")
+        _run(["ip", "-n", namespace, "link", "set", "lo", "up"], f"bringing up lo in {namespace}")
+        # both ends are born inside their namespaces: nothing appears in the host's namespace,
+        # and "eth0" cannot clash with the host's own interfaces
+        _run(["ip", "link", "add", link, "netns", parent, "type", "veth", "peer", "name", WORKER_INTERFACE,
+              "netns", namespace], f"creating the veth pair {link}/{WORKER_INTERFACE} for {namespace}")
+        _run(["ip", "-n", parent, "link", "set", link, "master", parent_bridge], f"attaching {link} to {parent_bridge}")
+        _run(["ip", "-n", parent, "link", "set", link, "up"], f"bringing up {link} in {parent}")
+        _run(["ip", "-n", namespace, "addr", "add", f"{worker_address(rank)}/{SUBNET_BITS}", "dev",
+              WORKER_INTERFACE], f"addressing {WORKER_INTERFACE} in {namespace}")
+        _run(["ip", "-n", namespace, "link", "set", WORKER_INTERFACE, "up"],
+             f"bringing up {WORKER_INTERFACE} in {namespace}")
+        if nodes:
+            continue
+        if rank == 0 and spec.latency_us > 0:
+            use_netem = _probe_netem(spec, namespace, WORKER_INTERFACE)
+        _shape(namespace, WORKER_INTERFACE, spec, use_netem)  # what the worker sends
+        _shape(hub, link, spec, use_netem)  # what the worker receives
+    return use_netem
 
-    Deleting a namespace deletes the interfaces inside it (the bridge, both veth ends), so no
-    interface is touched by name and none outside these namespaces at all. Safe when nothing
-    exists. Processes still running inside a namespace keep its network alive, unnamed, until
-    they exit: stop the workers before calling this (a warning lists their pids).
+
+def _probe_netem(spec: ClusterSpec, namespace: str, device: str) -> bool:
+    use_netem = _netem_available(namespace, device)
+    if not use_netem:
+        warnings.warn(f"this kernel has no tc netem (CONFIG_NET_SCH_NETEM); latency={spec.latency!r} is "
+                      f"not emulated, only bandwidth={spec.bandwidth!r}", RuntimeWarning, stacklevel=3)
+    return use_netem
+
+
+def find(prefix: str = "gw") -> Optional[Cluster]:
+    """The cluster ``prefix`` that is up and free to use (made by ``gradwire cluster up``: no live
+    owner), from its state file; None if there is none or it is incomplete."""
+    record = state.read(prefix)
+    if record is None or state.owner_alive(record) or record.get("owner"):
+        return None
+    if _tool("ip") is None or set(record["namespaces"]) - set(list_namespaces(prefix)):
+        return None
+    return Cluster(spec=ClusterSpec(**record["spec"]), latency_emulated=bool(record.get("latency_emulated")))
+
+
+def _kill_namespace_processes(namespaces: Sequence[str]) -> list[int]:
+    """SIGKILL every process in ``namespaces`` (stray workers); returns their pids."""
+    killed = []
+    for namespace in namespaces:
+        try:
+            pids = [int(pid) for pid in _run(["ip", "netns", "pids", namespace], f"listing processes in {namespace}").split()]
+        except ClusterError:
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5  # a killed process leaves its namespace when it is reaped or gone
+    while killed and time.monotonic() < deadline and any(state.process_start_time(pid) for pid in killed):
+        time.sleep(0.05)
+    return killed
+
+
+def down(prefix: str = "gw") -> list[str]:
+    """Delete everything cluster ``prefix`` made; return the namespace names deleted.
+
+    Processes still inside its namespaces (stray workers) are killed first. Deleting a namespace
+    deletes the interfaces inside it (bridges, veth ends), so no interface is touched by name and
+    none outside these namespaces at all. Then the ``/etc/netns`` host files, the recorded launch
+    folder and the state file go. Safe when nothing exists.
     """
     if not PREFIX_PATTERN.fullmatch(str(prefix)):
         raise ValueError(f"prefix={prefix!r} is not supported; allowed: a lowercase letter followed by at most 9 "
                          f"lowercase letters or digits")
-    if _tool("ip") is None:
-        return []  # without iproute2 nothing can have been created
+    record = state.read(prefix) or {}
     deleted = []
-    lingering: dict[str, list[str]] = {}
-    # workers first: the hub goes last so the bridge outlives every link attached to it
-    for namespace in reversed(list_namespaces(prefix)):
-        try:
-            pids = _run(["ip", "netns", "pids", namespace], f"listing processes in {namespace}").split()
-        except ClusterError:
-            pids = []
-        if pids:
-            lingering[namespace] = pids
-        try:
-            _run(["ip", "netns", "delete", namespace], f"deleting namespace {namespace}")
-        except ClusterError:
-            if namespace in list_namespaces(prefix):  # gone meanwhile (a concurrent down) is fine
-                raise
-            continue
-        deleted.append(namespace)
-    if lingering:
-        listed = "; ".join(f"{name}: {' '.join(pids)}" for name, pids in lingering.items())
-        warnings.warn(f"processes were still running in deleted namespaces ({listed}); their links disappear only "
-                      f"when they exit", RuntimeWarning, stacklevel=2)
+    if _tool("ip") is not None:  # without iproute2 no namespace can have been created
+        namespaces = list_namespaces(prefix)
+        _kill_namespace_processes(namespaces)
+        # workers first, then nodes: the hub goes last so a bridge outlives every link attached to it
+        for namespace in reversed(namespaces):
+            try:
+                _run(["ip", "netns", "delete", namespace], f"deleting namespace {namespace}")
+            except ClusterError:
+                if namespace in list_namespaces(prefix):  # gone meanwhile (a concurrent down) is fine
+                    raise
+                continue
+            deleted.append(namespace)
+    for folder in record.get("etc_folders", []):
+        if os.path.dirname(folder) == NETNS_ETC and _owned_pattern(prefix).fullmatch(os.path.basename(folder)):
+            shutil.rmtree(folder, ignore_errors=True)
+    temp_dir = record.get("temp_dir")
+    # a live owner (the launcher, on its way out) removes its own folder; an orphan's goes here
+    if temp_dir and not state.owner_alive(record) and os.path.dirname(os.path.abspath(temp_dir)) == os.path.abspath(tempfile.gettempdir()) \
+            and os.path.basename(temp_dir).startswith("gradwire-"):
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    state.remove(prefix)
     return deleted
+
+
+def down_all() -> tuple[list[str], list[str]]:
+    """Delete every recorded cluster except those a live launcher is using.
+
+    Returns (namespaces deleted, prefixes left alone because their owner runs). A cluster of a
+    killed launcher has a dead owner and is deleted with its stray workers and temp folder.
+    """
+    deleted: list[str] = []
+    in_use: list[str] = []
+    for record in state.read_all():
+        if state.owner_alive(record):
+            in_use.append(record["prefix"])
+            continue
+        deleted += down(record["prefix"])
+    return deleted, in_use
