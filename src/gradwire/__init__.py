@@ -34,6 +34,7 @@ __all__ = [
     "CommHookState",
     "DecodeError",
     "GradientExchange",
+    "HookConfig",
     "NonFiniteGradientError",
     "SparseTensor",
     "codecs",
