@@ -73,7 +73,7 @@ def kill_trial(case: str, world_size: int = 3, victim: int = 1, death_step: int 
 
     with tempfile.TemporaryDirectory(dir=tmp) as stamp_dir:
         results, exit_codes = run_workers_some_die(worker_killed_peer, world_size, KILL_CASES[case], victim,
-                                                   death_step, stamp_dir, timeout=120, pg_timeout=60)
+                                                   death_step, stamp_dir, timeout=240, pg_timeout=60)
         died_at = float(Path(stamp_dir, "death").read_text())
     assert exit_codes[victim] == -signal.SIGKILL, exit_codes
     reports = []
@@ -88,6 +88,7 @@ def kill_trial(case: str, world_size: int = 3, victim: int = 1, death_step: int 
     return reports
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(KILL_CASES))
 def test_every_survivor_raises_within_seconds_when_a_peer_dies(case: str, tmp_path: Path) -> None:
     for report in kill_trial(case, tmp=tmp_path):
@@ -171,3 +172,25 @@ def test_a_nonfinite_payload_is_skipped_on_every_rank() -> None:
     assert [o["skipped"] for o in outcomes] == [1, 1]
     assert all("step" not in o for o in outcomes), outcomes
     assert outcomes[0]["parameters"] == outcomes[1]["parameters"]
+
+
+def worker_one_rank_without_hook(rank: int, world_size: int) -> dict:
+    model = DDP(_model())
+    if rank == 0:
+        model.register_comm_hook(gradwire.CommHookState(compressor="topk", density=0.1, collective_timeout=5.0,
+                                                        model=model), gradwire.comm_hook)
+    inputs, targets = _batch(rank, 0)
+    started = time.time()
+    try:
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    except Exception as error:
+        return {"error": str(error)[:400], "seconds": time.time() - started}
+    return {"error": None, "seconds": time.time() - started}
+
+
+def test_a_rank_without_the_hook_is_reported_in_seconds() -> None:
+    results, _ = run_workers_some_die(worker_one_rank_without_hook, 2, timeout=120, pg_timeout=30)
+    ok, report = results[0]
+    assert ok, report
+    assert report["error"] is not None and report["seconds"] < 20, report
+    assert ("without the gradwire hook" in report["error"] or "configuration differs" in report["error"]), report
