@@ -71,7 +71,8 @@ def test_hostile_header_fields_with_valid_checksum() -> None:
 
     for changes, message in [
         ({"numel": (1 << 40) + 1}, "exceeds 2\\*\\*40"),
-        ({"count": 10**12, "numel": 1 << 40}, "raw index section"),
+        ({"count": 10**12, "numel": 1 << 40}, "without a limit; pass max_numel="),
+        ({"count": 10**6, "numel": 10**6}, "asks for 1000000 elements"),
         ({"count": 21}, "values for a tensor"),
         ({"dtype": 9}, "dtype code"),
         ({"index_id": 250}, "unknown index codec"),
@@ -81,6 +82,11 @@ def test_hostile_header_fields_with_valid_checksum() -> None:
     ]:
         with pytest.raises(gradwire.DecodeError, match=message):
             codecs.decode(with_fields(**changes))
+    # with the caller's consent the size check passes and the section's own bounds refuse it
+    with pytest.raises(gradwire.DecodeError, match="raw index section"):
+        codecs.decode(with_fields(count=10**12, numel=1 << 40), max_numel=1 << 40)
+    with pytest.raises(gradwire.DecodeError, match="more than max_numel=100"):
+        codecs.decode(with_fields(count=10, numel=101), max_numel=100)
     tensor_count = _reseal(body[:6] + struct.pack("<H", 60000) + body[8:])
     with pytest.raises(gradwire.DecodeError):
         codecs.decode(tensor_count)

@@ -165,7 +165,11 @@ def _probe_tables(seed: int, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     t1, t2, u1, u2 = np.frombuffer(words.astype("<u8").tobytes(), dtype="<u4").astype(np.uint32).reshape(4, _BLOCK)
     t2 |= np.uint32(1)  # h2 = T2[lo] + U2[hi] is odd: the h probes are distinct mod 2**32
     u2 &= np.uint32(0xFFFFFFFE)
-    v = t1[None, :] + np.arange(h, dtype=np.uint32)[:, None] * t2[None, :]  # uint32 wraps
+    # Built in place (uint32 wraps): a temporary of the same size would double this decoder's
+    # largest fixed allocation (8 MiB at h = 32).
+    v = np.empty((h, _BLOCK), dtype=np.uint32)
+    np.multiply(np.arange(h, dtype=np.uint32)[:, None], t2[None, :], out=v)
+    v += t1[None, :]
     for table in (v, u1, u2):
         table.flags.writeable = False
     return v, u1, u2
