@@ -62,6 +62,9 @@ positions so memory stays bounded, spread over ``torch.get_num_threads()`` threa
 That is what the scheme costs, so ``numel`` is limited to ``2**32``: decode refuses a larger one
 with :class:`~gradwire.errors.DecodeError` before touching the data (a hostile header could
 otherwise make the receiver hash 2**40 positions), and encode refuses it with ``ValueError``.
+Below that, ``codecs.decode`` refuses Bloom tensors of more than ``2**16 + len(payload)``
+elements unless the caller passes ``max_numel`` or ``expected_numels`` (the hook does): each
+queried position counts 8x against the payload's decode budget (docs/wire-format.md).
 Positions then fit in 32 bits, and so does the range reduction. The decoder's memory is the
 unpacked filter (``m`` bytes, 8x the section), the output (``count`` positions), ``O(k)`` for
 the random choices and block-sized buffers; it stops as soon as the filter proves inconsistent
