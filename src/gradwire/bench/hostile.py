@@ -16,7 +16,9 @@ measures each decode:
 
 A case passes when it raises DecodeError or decodes to a consistent result (shapes, ascending
 indices in range). The target applies to payloads under 1 KB decoded without ``max_numel``:
-at most ``--max-ms`` (100) and ``--max-mib`` (64) each. Exit status 1 if any case fails.
+at most ``--max-ms`` (100) of CPU time and ``--max-mib`` (64) each; decodes over it in wall
+time are counted in their own column (on a shared machine that column measures the load; the
+header prints the load average). Exit status 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -138,7 +140,9 @@ class Group:
     refused: int = 0
     decoded: int = 0
     bugs: int = 0
-    over: int = 0  # payloads < 1 KB without opt-in over the time or memory target
+    over: int = 0  # payloads < 1 KB without opt-in over the CPU-time or memory target
+    over_wall: int = 0  # ... over the time target in wall time (includes waiting for a core)
+    small_cpu_ms: float = 0.0  # the largest CPU time among payloads < 1 KB without opt-in
     wall_ms: float = 0.0
     cpu_ms: float = 0.0
     traced_mib: float = 0.0
@@ -157,8 +161,11 @@ def _summarize(outcomes: Iterable[Outcome], max_ms: float, max_mib: float, group
         g.decoded += o.result == "decoded"
         g.bugs += o.result.startswith("BUG")
         small = len(o.case.payload) < 1024 and o.case.max_numel is None
-        over = small and (o.wall_ms > max_ms or max(o.traced_mib, o.rss_mib) > max_mib)
+        over = small and (o.cpu_ms > max_ms or max(o.traced_mib, o.rss_mib) > max_mib)
         g.over += over
+        g.over_wall += small and o.wall_ms > max_ms
+        if small:
+            g.small_cpu_ms = max(g.small_cpu_ms, o.cpu_ms)
         g.max_bytes = max(g.max_bytes, len(o.case.payload))
         g.wall_ms, g.cpu_ms = max(g.wall_ms, o.wall_ms), max(g.cpu_ms, o.cpu_ms)
         g.traced_mib, g.rss_mib = max(g.traced_mib, o.traced_mib), max(g.rss_mib, o.rss_mib)
@@ -169,7 +176,8 @@ def _summarize(outcomes: Iterable[Outcome], max_ms: float, max_mib: float, group
 
 def _row(name: str, g: Group) -> list[str]:
     return [name, str(g.cases), str(g.max_bytes), str(g.refused), str(g.decoded), str(g.bugs), str(g.over),
-            f"{g.wall_ms:.1f}", f"{g.cpu_ms:.1f}", f"{g.traced_mib:.1f}", f"{g.rss_mib:.1f}"]
+            str(g.over_wall), f"{g.wall_ms:.1f}", f"{g.cpu_ms:.1f}", f"{g.small_cpu_ms:.1f}", f"{g.traced_mib:.1f}",
+            f"{g.rss_mib:.1f}"]
 
 
 def codec_costs(rss: _Rss) -> list[list[str]]:
@@ -236,26 +244,27 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     tracemalloc.stop()
 
-    headers = ["group", "cases", "max B", "refused", "decoded", "other exc", f"<1KB over", "max wall ms",
-               "max cpu ms", "max traced MiB", "max rss MiB"]
+    headers = ["group", "cases", "max B", "refused", "decoded", "other exc", "<1KB over", "<1KB over wall",
+               "max wall ms", "max cpu ms", "<1KB max cpu ms", "max traced MiB", "max rss MiB"]
     rows = [_row(name, g) for name, g in groups.items()]
     total = Group()
     for g in groups.values():
-        for key in ("cases", "refused", "decoded", "bugs", "over"):
+        for key in ("cases", "refused", "decoded", "bugs", "over", "over_wall"):
             setattr(total, key, getattr(total, key) + getattr(g, key))
         if g is not groups.get("opt-in"):
-            for key in ("wall_ms", "cpu_ms", "traced_mib", "rss_mib", "max_bytes"):
+            for key in ("wall_ms", "cpu_ms", "small_cpu_ms", "traced_mib", "rss_mib", "max_bytes"):
                 setattr(total, key, max(getattr(total, key), getattr(g, key)))
     rows.append(_row("all (no opt-in)", total))
-    print(f"hostile payloads: {total.cases} decoded in {elapsed:.0f} s; target for payloads < 1 KB without "
-          f"max_numel: only DecodeError, <= {args.max_ms:g} ms, <= {args.max_mib:g} MiB")
+    print(f"hostile payloads: {total.cases} decoded in {elapsed:.0f} s (load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores); target for payloads < 1 KB without max_numel: only DecodeError, <= "
+          f"{args.max_ms:g} ms of CPU time, <= {args.max_mib:g} MiB")
     print(format_table(headers, rows))
     if details:
         print("\nhand-made cases:")
         print(format_table(["group", "case", "bytes", "result", "wall ms", "cpu ms", "traced MiB", "rss MiB"],
                            [[o.case.group, o.case.label, str(len(o.case.payload)), o.result, f"{o.wall_ms:.1f}",
                              f"{o.cpu_ms:.1f}", f"{o.traced_mib:.1f}", f"{o.rss_mib:.1f}"] for o in details]))
-    for o in failures[:20]:
+    for o in failures[:20]:  # wall time over the target alone is counted, not a failure
         print(f"FAIL {o.case.group} {o.case.label} ({len(o.case.payload)} B): {o.result} {o.message} "
               f"wall {o.wall_ms:.1f} ms, traced {o.traced_mib:.1f} MiB, rss {o.rss_mib:.1f} MiB", file=sys.stderr)
     cost_rows = []
