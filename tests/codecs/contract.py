@@ -189,7 +189,19 @@ class _Peak:
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith(key))
 
     def __call__(self, run: Callable[[], object]) -> tuple[object, int]:
-        """(the result or the exception raised, peak bytes above what was in use before)."""
+        """(the result or the exception raised, peak bytes above what was in use before).
+
+        The resident set also grows when code pages of a library are first touched (file-backed,
+        once per process): when it exceeds the traced peak by more than 4 MiB the call is
+        measured again and the smaller resident peak kept — an allocation repeats, a page-in not.
+        """
+        result, traced, resident = self._measure(run)
+        if resident > traced + (4 << 20):
+            result, traced, resident_again = self._measure(run)
+            resident = min(resident, resident_again)
+        return result, max(traced, resident)
+
+    def _measure(self, run: Callable[[], object]) -> tuple[object, int, int]:
         import tracemalloc
 
         started = not tracemalloc.is_tracing()
@@ -206,12 +218,11 @@ class _Peak:
             result: object = run()
         except Exception as error:  # noqa: BLE001 - the caller checks the type
             result = error
-        peak = tracemalloc.get_traced_memory()[1] - before
+        traced = tracemalloc.get_traced_memory()[1] - before
         if started:
             tracemalloc.stop()
-        if self.rss:
-            peak = max(peak, self._status("VmHWM:") - rss_before)
-        return result, peak
+        resident = self._status("VmHWM:") - rss_before if self.rss else 0
+        return result, traced, resident
 
 
 def _hostile_variants(data: bytes) -> Iterator[bytes]:

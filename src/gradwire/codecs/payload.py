@@ -21,9 +21,10 @@ of ``L`` bytes may ask for at most :func:`element_budget` ``(L) = 2**19 + 8 * L`
 all: every tensor's ``count`` (decoded positions and values) plus, for codecs that query every
 position (Bloom), ``8 * numel``. Every codec decodes in time and memory linear in its section
 bytes plus those elements (docs/wire-format.md states each codec's constants), so a payload
-under 1 KB costs at most about 15 ms and 9 MiB. A caller that knows its tensor sizes passes them
-(``expected_numels``, as the DDP hook does) or a ceiling (``max_numel``); then the declared sizes
-are checked against those instead, and the caller has accepted work linear in them.
+under 1 KB costs at most about 25 ms of CPU and 11 MiB (measured, docs/benchmarks.md). A caller
+that knows its tensor sizes passes them (``expected_numels``, as the DDP hook does) or a ceiling
+(``max_numel``); then the declared sizes are checked against those instead, and the caller has
+accepted work linear in them.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ _CHECKSUM = struct.Struct("<Q")
 MAX_TENSORS = 4096
 
 #: Without ``max_numel``/``expected_numels``: elements any payload may ask for, however small
-#: (about 15 ms and 9 MiB of decoding at worst, docs/wire-format.md).
+#: (about 25 ms of CPU and 11 MiB of decoding at worst, measured: docs/benchmarks.md).
 DEFAULT_MIN_ELEMENTS = 1 << 19
 #: ... plus this many per payload byte (one per bit: every lossless gap code spends >= 1 bit per index).
 ELEMENTS_PER_PAYLOAD_BYTE = 8
