@@ -63,3 +63,14 @@ def test_accuracy_table_over_seeds() -> None:
     assert table["topk"]["accuracies"] == [0.96, 0.92]  # the diverged run is counted apart
     assert table["topk"]["points_vs_allreduce"] == pytest.approx(-2.0)
     assert "1 failed" in format_accuracy(runs)
+
+
+def test_bench_hostile_small(tmp_path, capsys) -> None:
+    out = tmp_path / "hostile.json"
+    code = main(["bench", "hostile", "--mutations", "60", "--no-hand-made", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and not report["failures"]
+    total = report["rows"][-1]
+    assert total[0] == "all (no opt-in)" and int(total[1]) == 60
+    assert int(total[3]) + int(total[4]) == 60  # refused + decoded: nothing else
+    assert "max traced MiB" in capsys.readouterr().out

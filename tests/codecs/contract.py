@@ -52,7 +52,9 @@ def roundtrip_indices(codec: IndexCodec, indices: np.ndarray, numel: int) -> tup
     """Through the full payload: (positions the encoder says it sends, positions decoded)."""
     values = torch.arange(indices.size, dtype=torch.float32)
     encoded = codecs.encode_tensors([(values, torch.from_numpy(indices), numel)], codec, codecs.get_value_codec("fp32"))
-    _, decoded, decoded_numel = codecs.decode(encoded.payload)
+    # The receiver knows the size (as the hook does): Bloom's cases scan up to 2**26 positions,
+    # beyond what a payload of its size may ask for without a limit.
+    _, decoded, decoded_numel = codecs.decode(encoded.payload, max_numel=numel)
     assert decoded_numel == numel
     return encoded.tensors[0].indices.numpy(), decoded.numpy()
 
@@ -161,3 +163,179 @@ def check_rejects_corruption(payload: bytes, seed: int = 0) -> None:
         flipped[position // 8] ^= 1 << (position % 8)
         with pytest.raises(DecodeError):
             codecs.decode(bytes(flipped))
+
+
+# -- decode bounds ----------------------------------------------------------------------------
+
+#: Allocation a decoder may make on top of what its inputs allow: codec tables (Bloom's probe
+#: tables are up to 8.5 MiB at h = 32), a compressor's context, numpy's temporaries.
+DECODE_SLACK_BYTES = 12 << 20
+#: Bytes a decoder may allocate per section byte and per element it was asked for.
+DECODE_BYTES_PER_UNIT = 64
+
+
+class _Peak:
+    """Peak memory of one call: tracemalloc (Python objects and numpy arrays) and, where Linux
+    lets the peak be reset, the resident set (which also sees torch's allocator)."""
+
+    def __init__(self) -> None:
+        import os
+
+        self.rss = os.access("/proc/self/clear_refs", os.W_OK)
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith(key))
+
+    def __call__(self, run: Callable[[], object]) -> tuple[object, int]:
+        """(the result or the exception raised, peak bytes above what was in use before).
+
+        The resident set also grows when code pages of a library are first touched (file-backed,
+        once per process): when it exceeds the traced peak by more than 4 MiB the call is
+        measured again and the smaller resident peak kept — an allocation repeats, a page-in not.
+        """
+        result, traced, resident = self._measure(run)
+        if resident > traced + (4 << 20):
+            result, traced, resident_again = self._measure(run)
+            resident = min(resident, resident_again)
+        return result, max(traced, resident)
+
+    def _measure(self, run: Callable[[], object]) -> tuple[object, int, int]:
+        import tracemalloc
+
+        started = not tracemalloc.is_tracing()
+        if started:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        rss_before = 0
+        if self.rss:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            rss_before = self._status("VmRSS:")
+        try:
+            result: object = run()
+        except Exception as error:  # noqa: BLE001 - the caller checks the type
+            result = error
+        traced = tracemalloc.get_traced_memory()[1] - before
+        if started:
+            tracemalloc.stop()
+        resident = self._status("VmHWM:") - rss_before if self.rss else 0
+        return result, traced, resident
+
+
+def _hostile_variants(data: bytes) -> Iterator[bytes]:
+    """A section with its header bytes set to extremes (one byte, or a 32-bit field to 2**32-1),
+    cut short, and extended."""
+    for at in range(min(len(data), 24)):
+        for byte in (0x00, 0x80, 0xFF):
+            out = bytearray(data)
+            out[at] = byte
+            yield bytes(out)
+        if at + 4 <= len(data):
+            yield data[:at] + b"\xff\xff\xff\xff" + data[at + 4 :]
+    yield data[: len(data) // 2]
+    yield data + b"\xff" * 8
+
+
+def check_decode_bounded(codec: Codec) -> None:
+    """Hostile sections cost at most ``64 * (section bytes + count) + 12 MiB`` of memory in the
+    codec's own decoder, and raise DecodeError or decode to the right shape; through the payload
+    layer, sizes beyond what the payload's bytes allow are refused before any section decodes.
+
+    ``count`` here is at most 4096 and ``numel`` at most 2**40 (2**14 for scanning codecs), so a
+    decoder that sizes an allocation from a hostile header field shows up as gigabytes.
+    """
+    peak_of = _Peak()
+    rng = np.random.default_rng(5)
+    if isinstance(codec, IndexCodec):
+        huge = 1 << 14 if codec.scans_every_position else 1 << 40
+        samples = []
+        for numel, k in ((3000, 0), (3000, 1), (3000, 700), (1 << 14, 40)):
+            indices = np.sort(rng.choice(numel, size=k, replace=False)).astype(np.int64)
+            encoding = codec.encode(indices, numel)
+            samples.append((encoding.data, numel, encoding.positions.size))
+        for data, numel, count in samples:  # once unmeasured: lazy initialisation is not the decoder's
+            codec.decode(memoryview(data), numel, count)
+        for data, numel, count in samples:
+            for variant in _hostile_variants(data):
+                for asked_numel, asked in {(numel, count), (huge, count + 1), (numel, 2 * count + 5), (huge, 4096)}:
+                    result, peak = peak_of(lambda: codec.decode(memoryview(variant), asked_numel, asked))
+                    _check_outcome(codec, result, peak, len(variant) + asked,
+                                   lambda out: isinstance(out, np.ndarray) and out.shape == (asked,))
+    else:
+        samples = []
+        for k, dtype in ((0, torch.float32), (1, torch.float16), (40, torch.float32), (700, torch.float16)):
+            values = (torch.from_numpy(rng.standard_normal(k)) * 1e-2).to(dtype)
+            if k == 700:
+                values = values.sort(descending=True).values  # curve fits take their fitted path
+            samples.append((codec.encode(values), k, dtype))
+        for data, count, dtype in samples:
+            codec.decode(memoryview(data), count, dtype)
+        for data, count, dtype in samples:
+            for variant in _hostile_variants(data):
+                for asked in {count, 2 * count + 5, 4096}:
+                    result, peak = peak_of(lambda: codec.decode(memoryview(variant), asked, dtype))
+                    _check_outcome(codec, result, peak, len(variant) + asked,
+                                   lambda out: isinstance(out, torch.Tensor) and out.shape == (asked,) and out.dtype == dtype)
+    _check_payload_bounds(codec, peak_of)
+
+
+def _check_outcome(codec: Codec, result: object, peak: int, units: int, valid: Callable[[object], bool]) -> None:
+    if isinstance(result, Exception):
+        assert isinstance(result, DecodeError), f"{codec!r} raised {type(result).__name__}: {result}"
+    else:
+        assert valid(result), f"{codec!r} decoded a wrong shape or type"
+    assert peak <= DECODE_BYTES_PER_UNIT * units + DECODE_SLACK_BYTES, (
+        f"{codec!r} allocated {peak / 2**20:.1f} MiB decoding {units} section bytes + elements"
+    )
+
+
+#: Elements in the compressible inputs below: above what any small payload may ask for.
+BOMB_ELEMENTS = (1 << 19) + (1 << 16)
+
+
+def _check_payload_bounds(codec: Codec, peak_of: _Peak) -> None:
+    """The codec's own encoding of a large compressible input (all positions of a tensor, or all
+    zeros) decodes without a limit only if the payload is large enough to ask for it, and with
+    ``max_numel`` always; records that declare huge sizes are refused before any section."""
+    n = BOMB_ELEMENTS
+    if isinstance(codec, IndexCodec):
+        index_codec, value_codec = codec, codecs.get_value_codec("zstd")
+    else:
+        index_codec, value_codec = codecs.get_index_codec("rle"), codec
+    values = torch.zeros(n)
+    encoded = codecs.encode_tensors([(values, torch.arange(n), n)], index_codec, value_codec)
+    payload = encoded.payload
+    scanned = 8 * n if index_codec.scans_every_position else 0
+    result, peak = peak_of(lambda: codecs.decode(payload))
+    if n + scanned <= codecs.element_budget(len(payload)):
+        assert not isinstance(result, Exception), f"{codec!r}: {result}"
+    else:
+        assert isinstance(result, DecodeError) and "max_numel" in str(result), f"{codec!r}: {result!r}"
+        assert peak < 1 << 20, f"{codec!r}: {peak / 2**20:.1f} MiB to refuse a payload of {len(payload)} bytes"
+    decoded_values, decoded_indices, numel = codecs.decode(payload, max_numel=n)
+    assert numel == n and decoded_values.shape == (encoded.tensors[0].indices.numel(),)
+    assert torch.equal(decoded_indices, encoded.tensors[0].indices)
+
+    # a small payload whose record declares huge sizes: refused up front, whatever the codec
+    small = codecs.encode_tensors([(torch.ones(3), torch.tensor([1, 5, 9]), 16)], index_codec, value_codec).payload
+    from gradwire.codecs.payload import _PREAMBLE, _RECORD
+
+    import struct
+
+    import xxhash
+
+    body = small[:-8]
+    fields = list(_RECORD.unpack_from(body, _PREAMBLE.size))
+    for numel, count in ((1 << 28, 1 << 28), (1 << 40, 1 << 39), (1 << 32, 3), (1 << 40, 3)):
+        fields[4], fields[5] = numel, count
+        changed = body[: _PREAMBLE.size] + _RECORD.pack(*fields) + body[_PREAMBLE.size + _RECORD.size :]
+        hostile = changed + struct.pack("<Q", xxhash.xxh3_64_intdigest(changed))
+        result, peak = peak_of(lambda: codecs.decode(hostile))
+        if count > 3 or index_codec.scans_every_position:
+            assert isinstance(result, DecodeError), f"{codec!r} numel={numel} count={count}: {result!r}"
+        else:  # a larger numel alone changes nothing for most codecs: refused or decoded, cheaply
+            assert isinstance(result, (DecodeError, tuple)), f"{codec!r} numel={numel}: {result!r}"
+        assert peak < 1 << 20, f"{codec!r}: {peak / 2**20:.1f} MiB to refuse numel={numel}, count={count}"

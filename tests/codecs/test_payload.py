@@ -71,7 +71,8 @@ def test_hostile_header_fields_with_valid_checksum() -> None:
 
     for changes, message in [
         ({"numel": (1 << 40) + 1}, "exceeds 2\\*\\*40"),
-        ({"count": 10**12, "numel": 1 << 40}, "raw index section"),
+        ({"count": 10**12, "numel": 1 << 40}, "without a limit; pass max_numel="),
+        ({"count": 10**6, "numel": 10**6}, "asks for 1000000 elements"),
         ({"count": 21}, "values for a tensor"),
         ({"dtype": 9}, "dtype code"),
         ({"index_id": 250}, "unknown index codec"),
@@ -81,6 +82,11 @@ def test_hostile_header_fields_with_valid_checksum() -> None:
     ]:
         with pytest.raises(gradwire.DecodeError, match=message):
             codecs.decode(with_fields(**changes))
+    # with the caller's consent the size check passes and the section's own bounds refuse it
+    with pytest.raises(gradwire.DecodeError, match="raw index section"):
+        codecs.decode(with_fields(count=10**12, numel=1 << 40), max_numel=1 << 40)
+    with pytest.raises(gradwire.DecodeError, match="more than max_numel=100"):
+        codecs.decode(with_fields(count=10, numel=101), max_numel=100)
     tensor_count = _reseal(body[:6] + struct.pack("<H", 60000) + body[8:])
     with pytest.raises(gradwire.DecodeError):
         codecs.decode(tensor_count)
@@ -153,3 +159,77 @@ def test_sparse_tensor_helpers() -> None:
     with pytest.raises(ValueError, match="ascending"):
         gradwire.SparseTensor(torch.ones(2), torch.tensor([1, 0]), 2).check()
     np.testing.assert_array_equal(gradwire.SparseTensor(torch.ones(0), torch.zeros(0, dtype=torch.int64), 5).to_dense().numpy(), np.zeros(5))
+
+
+@pytest.fixture(scope="module")
+def hostile_set() -> "list":
+    from gradwire.bench.hostile_cases import hand_made
+
+    return hand_made(big=False)
+
+
+def _assert_consistent(tensors: list) -> None:
+    for values, indices, numel in tensors:
+        assert values.numel() == indices.numel() <= numel
+        if indices.numel():
+            assert int(indices.min()) >= 0 and int(indices.max()) < numel
+            assert bool((indices[1:] > indices[:-1]).all())
+
+
+def test_hand_made_hostile_payloads_are_refused_within_bounded_memory(hostile_set: list) -> None:
+    """The crafted set (RLE runs of 2**28+, Bloom over 2**32 positions, zstd/deflate bombs, Huffman
+    tables, huge Elias-Fano/Rice/QSGD/curve-fit counts): DecodeError, and a payload under 1 KB
+    costs at most 64 MiB (tracemalloc + resident set) — the heaviest ones the default limit
+    lets through (``at-budget``) decode."""
+    from .contract import _Peak
+
+    peak_of = _Peak()
+    groups = {case.group for case in hostile_set}
+    assert {"rle", "bloom", "zstd", "deflate", "huffman", "eliasfano", "rice", "qsgd", "polyfit", "at-budget"} <= groups
+    for case in hostile_set:
+        result, peak = peak_of(lambda: codecs.decode_tensors(case.payload, max_numel=case.max_numel))
+        if case.group in ("at-budget", "opt-in"):
+            assert isinstance(result, list), f"{case.label}: {result!r}"
+            _assert_consistent(result)
+        else:
+            assert isinstance(result, gradwire.DecodeError), f"{case.group} {case.label}: {result!r}"
+        if len(case.payload) < 1024 and case.max_numel is None:
+            assert peak <= 64 << 20, f"{case.group} {case.label}: {peak / 2**20:.1f} MiB"
+        if case.group not in ("at-budget", "opt-in") and len(case.payload) < 1024:
+            assert peak <= 16 << 20, f"{case.group} {case.label}: {peak / 2**20:.1f} MiB to refuse"
+
+
+def test_default_limit_and_max_numel() -> None:
+    """A 7-byte run of 2**20 positions is refused without a limit, naming the option, and decodes
+    with ``max_numel``; ``max_numel`` below the tensor refuses it; bad values are a ValueError."""
+    n = 1 << 20
+    payload = codecs.encode(torch.zeros(n), torch.arange(n), n, index_codec="rle", value_codec="zstd")
+    assert len(payload) < 200 and n > codecs.element_budget(len(payload))
+    with pytest.raises(gradwire.DecodeError, match="max_numel="):
+        codecs.decode(payload)
+    values, indices, numel = codecs.decode(payload, max_numel=n)
+    assert numel == n and torch.equal(indices, torch.arange(n)) and not values.any()
+    assert len(codecs.decode_tensors(payload, expected_numels=[n])) == 1  # the hook's way
+    with pytest.raises(gradwire.DecodeError, match="more than max_numel"):
+        codecs.decode(payload, max_numel=n - 1)
+    for bad in (-1, 1.5, True, "big"):
+        with pytest.raises(ValueError, match="max_numel"):
+            codecs.decode(payload, max_numel=bad)  # type: ignore[arg-type]
+    # Bloom counts 8x its numel: a tiny filter over 2**17 positions needs max_numel
+    bloom = codecs.encode(torch.ones(2), torch.tensor([3, 70_000]), 1 << 17, index_codec="bloom", fpr=0.5, policy="p1")
+    with pytest.raises(gradwire.DecodeError, match="max_numel="):
+        codecs.decode(bloom)
+    assert codecs.decode(bloom, max_numel=1 << 17)[1].numel() == 2
+
+
+def test_fuzz_mutated_payloads_of_every_codec_pair() -> None:
+    """Damaged payloads of every index x value pair, resealed (size fields set to extremes, codec
+    ids relabelled, sections cut, extended or swapped): DecodeError or a consistent result."""
+    from gradwire.bench.hostile_cases import mutated
+
+    for case in mutated(300, seed=11):
+        try:
+            tensors = codecs.decode_tensors(case.payload)
+        except gradwire.DecodeError:
+            continue
+        _assert_consistent(tensors)

@@ -19,6 +19,7 @@ COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
     ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
     ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),
+    ("bench", "hostile"): ("gradwire.bench.hostile", "hostile and mutated payloads: only DecodeError, bounded time/memory"),
     ("bench", "e2e"): ("gradwire.bench.e2e", "methods x bandwidths x workers on emulated rate-limited links"),
     ("lowrank", "summary"): ("gradwire.lowrank.report", "per-layer report of a factorized model"),
 }

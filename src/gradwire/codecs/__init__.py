@@ -5,6 +5,10 @@
 >>> values, indices, numel = codecs.decode(payload)
 >>> indices.tolist(), numel
 ([1, 5, 9], 16)
+
+Decoding is bounded by the payload: a payload of ``L`` bytes may ask for ``element_budget(L) =
+2**19 + 8 * L`` elements; pass ``max_numel=`` (the largest tensor you accept) to decode larger
+ones, e.g. a few-byte ``rle`` payload of 10**7 consecutive indices.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .payload import (
     EncodedTensor,
     decode,
     decode_tensors,
+    element_budget,
     encode,
     encode_sparse,
     encode_tensors,
@@ -69,6 +74,7 @@ __all__ = [
     "ValueCodec",
     "decode",
     "decode_tensors",
+    "element_budget",
     "encode",
     "encode_sparse",
     "encode_tensors",

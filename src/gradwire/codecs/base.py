@@ -85,9 +85,12 @@ class IndexCodec(Codec):
     def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
         """Return ``count`` positions (int64, strictly ascending, in ``[0, numel)``).
 
-        Raises :class:`~gradwire.errors.DecodeError` on any inconsistency; allocates no more than
-        a small multiple of ``len(data) + count``, except codecs that by design query every one
-        of the ``numel`` positions (Bloom), which bound ``numel`` themselves.
+        Raises :class:`~gradwire.errors.DecodeError` on any inconsistency. Work and memory are
+        linear in ``len(data) + count`` (``tests/codecs/contract.py::check_decode_bounded``:
+        at most ``64 * (len(data) + count) + 12 MiB``), never sized by a field read from
+        ``data``; codecs that by design query every one of the ``numel`` positions (Bloom) set
+        :attr:`scans_every_position`, and the payload layer bounds ``count`` and such ``numel``
+        before calling (docs/wire-format.md, "Decode cost bounds").
         """
 
 
@@ -100,7 +103,12 @@ class ValueCodec(Codec):
 
     @abstractmethod
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """Return ``count`` values of ``dtype`` (shape (count,), CPU)."""
+        """Return ``count`` values of ``dtype`` (shape (count,), CPU).
+
+        Raises :class:`~gradwire.errors.DecodeError` on bad bytes; work and memory linear in
+        ``len(data) + count``, never sized by a field read from ``data`` (see
+        :meth:`IndexCodec.decode`; the payload layer bounds ``count``).
+        """
 
     def encode_with_reconstruction(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """Encode and also return exactly what the receiver will decode.

@@ -19,6 +19,12 @@ from ..errors import DecodeError, require
 #: Largest dense tensor a payload may describe (elements). Bounds every allocation a decoder makes.
 MAX_NUMEL = 1 << 40
 
+#: Most bytes a zstd frame yields per frame byte: a block of up to 128 KiB costs at least 4
+#: bytes (3-byte header + 1 RLE byte). Decoders refuse sections that claim more.
+ZSTD_MAX_RATIO = 1 << 15
+#: Deflate's ceiling: a length/distance pair of >= 2 bits yields at most 258 bytes.
+DEFLATE_MAX_RATIO = 1032
+
 
 def bit_width(max_value: int) -> int:
     """Bits needed to write every integer in ``[0, max_value]`` (0 for ``max_value == 0``)."""
@@ -191,7 +197,9 @@ class ByteReader:
 
 
 __all__ = [
+    "DEFLATE_MAX_RATIO",
     "MAX_NUMEL",
+    "ZSTD_MAX_RATIO",
     "ByteReader",
     "DecodeError",
     "bit_lengths",

@@ -13,6 +13,18 @@ Layout (little-endian; see docs/wire-format.md for the full table)::
 
 The decoder checks magic, version and checksum before it parses anything, then bounds every
 length by the bytes actually present. Nothing is ever unpickled.
+
+Decode cost. A few bytes can legitimately describe millions of elements (a run-length code of
+one long run, a zstd frame of zeros, a Bloom filter over a huge tensor), so the bytes alone do
+not bound the work; the declared sizes do. Without an explicit limit from the caller, a payload
+of ``L`` bytes may ask for at most :func:`element_budget` ``(L) = 2**19 + 8 * L`` elements in
+all: every tensor's ``count`` (decoded positions and values) plus, for codecs that query every
+position (Bloom), ``8 * numel``. Every codec decodes in time and memory linear in its section
+bytes plus those elements (docs/wire-format.md states each codec's constants), so a payload
+under 1 KB costs at most about 25 ms of CPU and 11 MiB (measured, docs/benchmarks.md). A caller
+that knows its tensor sizes passes them (``expected_numels``, as the DDP hook does) or a ceiling
+(``max_numel``); then the declared sizes are checked against those instead, and the caller has
+accepted work linear in them.
 """
 
 from __future__ import annotations
@@ -42,6 +54,27 @@ _PREAMBLE = struct.Struct("<4sBBH")
 _RECORD = struct.Struct("<BBBBQQII")
 _CHECKSUM = struct.Struct("<Q")
 MAX_TENSORS = 4096
+
+#: Without ``max_numel``/``expected_numels``: elements any payload may ask for, however small
+#: (about 25 ms of CPU and 11 MiB of decoding at worst, measured: docs/benchmarks.md).
+DEFAULT_MIN_ELEMENTS = 1 << 19
+#: ... plus this many per payload byte (one per bit: every lossless gap code spends >= 1 bit per index).
+ELEMENTS_PER_PAYLOAD_BYTE = 8
+#: A position a scanning codec (Bloom) queries counts as this many elements: its worst case
+#: (every position positive, policy p2: h probes and a conflict count each) costs about 8x
+#: what a decoded element costs elsewhere.
+SCAN_COST = 8
+
+
+def element_budget(payload_bytes: int) -> int:
+    """Elements a payload of ``payload_bytes`` bytes may ask for without an explicit limit:
+    ``2**19 + 8 * payload_bytes``.
+
+    What a payload asks for: the sum over its tensors of ``count``, plus ``8 * numel`` for tensors
+    whose index codec queries every position (Bloom). So without a limit Bloom decodes tensors
+    of at most ``2**16 + payload_bytes`` elements.
+    """
+    return DEFAULT_MIN_ELEMENTS + ELEMENTS_PER_PAYLOAD_BYTE * int(payload_bytes)
 
 #: Value dtypes a payload can carry, by their one-byte code.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -180,15 +213,27 @@ def encode_tensors(
 
 
 def decode_tensors(
-    payload: "bytes | bytearray | memoryview", *, expected_numels: "Sequence[int] | None" = None
+    payload: "bytes | bytearray | memoryview",
+    *,
+    expected_numels: "Sequence[int] | None" = None,
+    max_numel: "int | None" = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """Decode every tensor of a payload into ``(values, indices, numel)`` (CPU tensors).
 
-    ``expected_numels``: when the receiver knows the tensors' sizes (the DDP hook does), the
-    records are checked against them before any section is decoded, so a hostile payload cannot
-    make a decoder allocate for a tensor larger than the receiver's own.
-    Raises :class:`DecodeError` on anything but a well-formed payload.
+    Every record is checked before any section is decoded, against the first of:
+
+    * ``expected_numels``: the tensors' sizes, when the receiver knows them (the DDP hook does);
+      a payload describing other sizes is refused;
+    * ``max_numel``: the largest tensor (elements) the caller accepts; larger ones are refused;
+    * otherwise the payload's own size: at most ``element_budget(len(payload))`` elements in all
+      (counts, plus ``8 * numel`` for Bloom, which queries every position). A legitimate payload
+      beyond that (e.g. a few-byte run-length code of 10**7 consecutive indices) needs
+      ``max_numel``.
+
+    Decoding then costs time and memory linear in ``len(payload)`` plus the elements accepted.
+    Raises :class:`DecodeError` on anything but a well-formed payload within those limits.
     """
+    _check_max_numel(max_numel)
     try:
         view = memoryview(payload).cast("B")
     except TypeError as error:
@@ -210,6 +255,11 @@ def decode_tensors(
         sizes = [record[4] for record in records]
         require(sizes == list(expected_numels),
                 f"payload describes {len(sizes)} tensors of sizes {sizes[:4]}..., expected {list(expected_numels)[:4]}...")
+    if max_numel is not None:
+        largest = max((record[4] for record in records), default=0)
+        require(largest <= max_numel, f"payload describes a tensor of {largest} elements, more than max_numel={max_numel}")
+    elif expected_numels is None:
+        _check_budget(records, len(view))
     out = []
     for dtype_code, index_id, value_id, reserved, numel, n_values, index_len, value_len in records:
         require(reserved == 0, "reserved byte is not zero")
@@ -235,6 +285,30 @@ def decode_tensors(
         out.append((values, torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)), int(numel)))
     require(offset == len(body), f"{len(body) - offset} trailing bytes")
     return out
+
+
+def _check_max_numel(max_numel: "int | None") -> None:
+    if max_numel is not None and (
+        isinstance(max_numel, bool) or not isinstance(max_numel, (int, np.integer)) or max_numel < 0
+    ):
+        raise ValueError(f"max_numel={max_numel!r} is not supported; allowed: None or an int >= 0")
+
+
+def _check_budget(records: "list[tuple]", payload_bytes: int) -> None:
+    """Refuse a payload whose declared sizes ask for more than its own size allows."""
+    elements = 0
+    for record in records:
+        numel, count = record[4], record[5]
+        index_cls = index_codec_by_wire_id(record[1])  # unknown ids are refused later
+        scans = index_cls is not None and index_cls.scans_every_position
+        elements += count + (SCAN_COST * numel if scans else 0)
+    budget = element_budget(payload_bytes)
+    require(
+        elements <= budget,
+        f"a payload of {payload_bytes} bytes asks for {elements} elements (counts, plus 8 x numel for codecs "
+        f"that scan every position), more than the {budget} (2**19 + 8 per byte) decoded without a limit; "
+        "pass max_numel= (the largest tensor you accept) or expected_numels= to decode it",
+    )
 
 
 def _decode_section(run: Any) -> Any:
@@ -330,8 +404,14 @@ def encode_sparse(
     )
 
 
-def decode(payload: "bytes | bytearray | memoryview") -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Decode a one-tensor payload into ``(values, indices, numel)``; values keep the sender's dtype."""
-    tensors = decode_tensors(payload)
+def decode(
+    payload: "bytes | bytearray | memoryview", *, max_numel: "int | None" = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Decode a one-tensor payload into ``(values, indices, numel)``; values keep the sender's dtype.
+
+    ``max_numel``: the largest tensor the caller accepts; without it the declared sizes are
+    bounded by the payload's size (see :func:`decode_tensors`).
+    """
+    tensors = decode_tensors(payload, max_numel=max_numel)
     require(len(tensors) == 1, f"payload holds {len(tensors)} tensors; use decode_tensors")
     return tensors[0]

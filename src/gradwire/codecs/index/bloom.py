@@ -62,6 +62,9 @@ positions so memory stays bounded, spread over ``torch.get_num_threads()`` threa
 That is what the scheme costs, so ``numel`` is limited to ``2**32``: decode refuses a larger one
 with :class:`~gradwire.errors.DecodeError` before touching the data (a hostile header could
 otherwise make the receiver hash 2**40 positions), and encode refuses it with ``ValueError``.
+Below that, ``codecs.decode`` refuses Bloom tensors of more than ``2**16 + len(payload)``
+elements unless the caller passes ``max_numel`` or ``expected_numels`` (the hook does): each
+queried position counts 8x against the payload's decode budget (docs/wire-format.md).
 Positions then fit in 32 bits, and so does the range reduction. The decoder's memory is the
 unpacked filter (``m`` bytes, 8x the section), the output (``count`` positions), ``O(k)`` for
 the random choices and block-sized buffers; it stops as soon as the filter proves inconsistent
@@ -165,7 +168,11 @@ def _probe_tables(seed: int, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     t1, t2, u1, u2 = np.frombuffer(words.astype("<u8").tobytes(), dtype="<u4").astype(np.uint32).reshape(4, _BLOCK)
     t2 |= np.uint32(1)  # h2 = T2[lo] + U2[hi] is odd: the h probes are distinct mod 2**32
     u2 &= np.uint32(0xFFFFFFFE)
-    v = t1[None, :] + np.arange(h, dtype=np.uint32)[:, None] * t2[None, :]  # uint32 wraps
+    # Built in place (uint32 wraps): a temporary of the same size would double this decoder's
+    # largest fixed allocation (8 MiB at h = 32).
+    v = np.empty((h, _BLOCK), dtype=np.uint32)
+    np.multiply(np.arange(h, dtype=np.uint32)[:, None], t2[None, :], out=v)
+    v += t1[None, :]
     for table in (v, u1, u2):
         table.flags.writeable = False
     return v, u1, u2

@@ -23,13 +23,9 @@ import zstandard
 
 from ...errors import DecodeError, require
 from ..base import IndexCodec, IndexEncoding, register_index_codec
-from ..bits import ByteReader
+from ..bits import DEFLATE_MAX_RATIO, ZSTD_MAX_RATIO, ByteReader
 from ._bitstream import require_count
 
-#: A zstd block of up to 128 KiB costs at least 4 bytes (3-byte header + 1 RLE byte).
-ZSTD_MAX_RATIO = 1 << 15
-#: Deflate's ceiling: a length/distance pair of >= 2 bits yields at most 258 bytes.
-DEFLATE_MAX_RATIO = 1032
 
 
 def _index_width(numel: int) -> int:

@@ -20,9 +20,11 @@ incompressible either way -- the shuffle is what makes a lossless compressor wor
 It costs one transpose each way and is on by default (option ``shuffle``).
 
 Cost: encode and decode are linear in k; compression level trades encode time for size.
-Decompression is bounded by the size the header implies (count * element size): zstd frames
-must declare exactly that content size and may not be followed by extra bytes; DEFLATE output
-is capped at that many bytes, so a decompression bomb raises DecodeError instead of allocating.
+Decompression is bounded by the size the header implies (count * element size), and that size
+by the stream's own length times the compressor's largest ratio (2**15 for zstd, 1032 for
+DEFLATE): zstd frames must declare exactly that content size and may not be followed by extra
+bytes; DEFLATE output is capped at that many bytes, so a decompression bomb raises DecodeError
+instead of allocating.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import zstandard
 
 from ...errors import DecodeError, require
 from ..base import ValueCodec, register_value_codec
+from ..bits import DEFLATE_MAX_RATIO, ZSTD_MAX_RATIO
 
 _SHUFFLED = 0x01
 
@@ -66,6 +69,8 @@ class _CompressedCodec(ValueCodec):
     """Shared section handling; subclasses supply the compressor and its level range."""
 
     level_range: ClassVar[tuple[int, int]]
+    #: Most output bytes the compressor can produce per stream byte (see codecs/bits.py).
+    max_ratio: ClassVar[int]
 
     def __init__(self, *, level: int, shuffle: bool = True) -> None:
         low, high = self.level_range
@@ -99,6 +104,10 @@ class _CompressedCodec(ValueCodec):
             require(len(data) == 1, f"{self.name}: {len(data) - 1} stream bytes for zero values")
             return torch.zeros(0, dtype=dtype)
         expected = count * _element_size(dtype)
+        # No compressor yields more than max_ratio bytes per input byte: a section claiming more
+        # is refused before its frame header (which sizes the output buffer) is even read.
+        require(expected <= self.max_ratio * (len(data) - 1),
+                f"{self.name}: {len(data) - 1} stream bytes cannot hold {count} values")
         raw = self._decompress(data[1:], expected)
         require(len(raw) == expected, f"{self.name}: decompressed {len(raw)} bytes, expected {expected}")
         return _from_bytes(raw, count, dtype, bool(flags & _SHUFFLED))
@@ -111,6 +120,7 @@ class ZstdCodec(_CompressedCodec):
     name = "zstd"
     wire_id = 4
     level_range = (1, 22)
+    max_ratio = ZSTD_MAX_RATIO
 
     def __init__(self, *, level: int = 3, shuffle: bool = True) -> None:
         super().__init__(level=level, shuffle=shuffle)
@@ -139,6 +149,7 @@ class DeflateCodec(_CompressedCodec):
     name = "deflate"
     wire_id = 5
     level_range = (0, 9)
+    max_ratio = DEFLATE_MAX_RATIO
 
     def __init__(self, *, level: int = 6, shuffle: bool = True) -> None:
         super().__init__(level=level, shuffle=shuffle)
