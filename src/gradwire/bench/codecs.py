@@ -1,11 +1,16 @@
 """``gradwire bench codecs``: bits per index and per value, and speed, of every codec.
 
-Two sources of sparse gradients:
+Sources of sparse gradients:
 
 * ``synthetic``: n = 2**24 (``--numel``) positions, k = density * n chosen uniformly at random,
   values ~ N(0, 1e-3**2);
 * ``mnist``: the gradient of the project's small CNN after a few SGD steps on MNIST-5k, top-k by
-  magnitude at each density (the real distribution of positions and values).
+  magnitude at each density (the real distribution of positions and values);
+* ``lstm``: the 3.6M-parameter LSTM language model's gradient (see :mod:`.codec_workloads`),
+  top-k of the whole gradient at each density as above, and also the layer-wise top-10%
+  table of codec *pairs* (relative volume next to DeepReduce's published figures);
+* ``embedding``: an embedding-heavy model's gradient, sent exactly with the ``nonzero``
+  sparsifier: bytes per index codec against the non-zero rows' raw size.
 
 For each index codec: bits per index, the information bound log2(C(n, k)) / k, the ratio to
 it, bytes vs the COO int32 baseline, encode and decode throughput in GB/s of the dense float32
@@ -28,15 +33,19 @@ import torch
 from .. import codecs
 from ..codecs.base import index_codec_classes, value_codec_classes
 from ..tables import format_table
+from . import codec_workloads
 from .table import progress
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
+SOURCES = ("synthetic", "mnist", "lstm", "embedding")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
-    parser.add_argument("--sources", default="synthetic,mnist", help="comma-separated: synthetic, mnist")
+    parser.add_argument("--sources", default="synthetic,mnist,lstm,embedding",
+                        help="comma-separated: " + ", ".join(SOURCES))
+    parser.add_argument("--lstm-density", type=float, default=0.1, help="layer-wise density of the LSTM pairs table")
     parser.add_argument("--index-codecs", default="all", help="comma-separated names or 'all'")
     parser.add_argument("--value-codecs", default="all", help="comma-separated names or 'all'")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the best is kept")
@@ -162,15 +171,25 @@ def run(args: argparse.Namespace) -> int:
     if any(not 0 < d <= 1 for d in densities):
         raise ValueError(f"--densities={args.densities!r}: each must be in (0, 1]")
     sources = [s.strip() for s in args.sources.split(",")]
-    bad = [s for s in sources if s not in ("synthetic", "mnist")]
+    bad = [s for s in sources if s not in SOURCES]
     if bad:
-        raise ValueError(f"--sources: unknown {', '.join(bad)}; allowed: synthetic, mnist")
+        raise ValueError(f"--sources: unknown {', '.join(bad)}; allowed: {', '.join(SOURCES)}")
+    if not 0 < args.lstm_density <= 1:
+        raise ValueError(f"--lstm-density={args.lstm_density}: must be in (0, 1]")
     index_names = _names(args.index_codecs, sorted(index_codec_classes()), "index-codecs")
     value_names = _names(args.value_codecs, sorted(value_codec_classes()), "value-codecs")
-    gradient = mnist_gradient() if "mnist" in sources else None
+    gradients = {}
+    if "mnist" in sources:
+        gradients["mnist"] = mnist_gradient()
+    lstm_parts = None
+    if "lstm" in sources:
+        lstm_parts = codec_workloads.lstm_gradient()
+        gradients["lstm"] = torch.cat([g.reshape(-1) for _, g in lstm_parts])
 
     cases = []
     for source in sources:
+        if source == "embedding":
+            continue
         for density in densities:
             cases.append((source, density))
     rows: list[dict[str, Any]] = []
@@ -181,9 +200,8 @@ def run(args: argparse.Namespace) -> int:
                 numel = args.numel
                 indices, values = synthetic_gradient(numel, density)
             else:
-                assert gradient is not None
-                numel = gradient.numel()
-                indices, values = top_k_of(gradient, density)
+                numel = gradients[source].numel()
+                indices, values = top_k_of(gradients[source], density)
             common = {"source": source, "numel": numel, "density": density, "k": int(indices.size)}
             for name in index_names:
                 bar.set_postfix_str(f"{source} {density} index {name}")
@@ -195,14 +213,22 @@ def run(args: argparse.Namespace) -> int:
                 bar.update()
 
     print_tables(rows)
+    extra: dict[str, Any] = {}
+    if lstm_parts is not None:
+        extra["lstm_pairs"] = codec_workloads.lstm_rows(lstm_parts, args.lstm_density)
+        print_lstm_pairs(extra["lstm_pairs"], args.lstm_density, sum(g.numel() for _, g in lstm_parts))
+    if "embedding" in sources:
+        extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(codec_workloads.embedding_gradient())
+        print_embedding(extra["embedding"], extra["embedding_info"])
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows}, handle, indent=1)
+            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows, **extra}, handle, indent=1)
         print(f"\nwrote {args.json}")
     return 0
 
 
-def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+def print_tables(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     for (source, density), group in _grouped(rows).items():
         first = group[0]
         print(f"\n{source}: numel={first['numel']:,} density={density:g} k={first['k']:,}", file=out)
@@ -222,6 +248,26 @@ def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                 [[r["codec"], f"{r['bits_per_value']:.2f}", f"{r['bytes_vs_fp32']:.3f}",
                   f"{r['relative_l2_error']:.2e}", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}"]
                  for r in value_rows]), file=out)
+
+
+def print_lstm_pairs(rows: list[dict[str, Any]], density: float, numel: int, out: Any = None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
+    print(f"\nlstm LM ({numel:,} parameters), top-{100 * density:g}% layer-wise, one payload per parameter: "
+          "relative volume = bytes / dense fp32", file=out)
+    print(format_table(
+        ["index + values", "bytes", "relative volume", "rel L2 err of sent values", "DeepReduce (paper, its LSTM)"],
+        [[r["pair"], f"{r['bytes']:,}", f"{r['relative_volume']:.4f}", f"{r['relative_l2_error']:.3g}",
+          r["deepreduce"]] for r in rows]), file=out)
+
+
+def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
+    print(f"\nembedding-heavy model, nonzero sparsifier + fp32 values: {info['nonzeros']:,} non-zeros, "
+          f"non-zero rows raw {info['nonzero_row_bytes']:,} B, dense {info['dense_bytes']:,} B", file=out)
+    print(format_table(
+        ["index codec", "bytes (per layer)", "x rows raw", "bytes (joined)", "x rows raw", "bit-exact"],
+        [[r["index_codec"], f"{r['layerwise_bytes']:,}", f"{r['layerwise_vs_rows']:.4f}", f"{r['joined_bytes']:,}",
+          f"{r['joined_vs_rows']:.4f}", "yes" if r["exact"] else "NO"] for r in rows]), file=out)
 
 
 def _grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
