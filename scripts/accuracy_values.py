@@ -20,7 +20,9 @@ import subprocess
 import sys
 import sysconfig
 
-LOSSY = "qsgd-ans"
+#: the lossy pair that meets the LSTM-LM top-10% volume target (0.0197 <= 0.02, bench codecs):
+#: two magnitudes per bucket (its smallest and largest) and the sign, nearest level, ANS-coded
+LOSSY = "qsgd-ans,levels=1,norm=range,rounding=nearest"
 
 
 def methods(lossy: str) -> list[str]:
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--models", default="cnn,lstm")
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--lossy", default=LOSSY, help="value codec compared with fp32 (default qsgd-ans)")
+    parser.add_argument("--lossy", default=LOSSY, help=f"value codec (and options) compared with fp32 (default {LOSSY})")
     parser.add_argument("--text", default=os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py"))
     parser.add_argument("--lstm-lr", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=1800)

@@ -3,6 +3,8 @@ level equality with ``qsgd``, sizes, hostile sections and the count bound of the
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -20,30 +22,37 @@ from .test_values_qsgd import UNIT_ROUNDOFF
 from .value_helpers import fuzz_decoder
 
 
-def scale_bound(levels: int, bucket_size: int, norm: str):
-    """The stated bound: scale / s + u * scale (+ half the smallest subnormal), per bucket."""
+def scale_bound(levels: int, bucket_size: int, norm: str, rounding: str = "stochastic"):
+    """The stated bound: (high - low) / s (half that when nearest) + u * high (+ half the
+    smallest subnormal), per bucket; low is 0 except for ``range`` (the bucket's min |v|)."""
 
     def bound(values: torch.Tensor) -> torch.Tensor:
         x = values.double()
         bucket = torch.arange(x.numel()) // bucket_size
         buckets = int(bucket.max()) + 1
+        low = torch.zeros(buckets, dtype=torch.float64)
         if norm == "l2":
-            scale = torch.zeros(buckets, dtype=torch.float64).index_add_(0, bucket, x * x).sqrt()
+            high = torch.zeros(buckets, dtype=torch.float64).index_add_(0, bucket, x * x).sqrt()
         else:
-            scale = torch.zeros(buckets, dtype=torch.float64).index_reduce_(0, bucket, x.abs(), "amax")
-        scale = scale[bucket]
+            high = torch.zeros(buckets, dtype=torch.float64).index_reduce_(0, bucket, x.abs(), "amax")
+        if norm == "range":
+            low = torch.full((buckets,), math.inf, dtype=torch.float64).index_reduce_(0, bucket, x.abs(), "amin")
+        low, high = low[bucket], high[bucket]
+        step = (high - low) / levels / (2 if rounding == "nearest" else 1)
         info = torch.finfo(values.dtype)
-        return (scale / levels + UNIT_ROUNDOFF[values.dtype] * scale) * (1 + 2.0**-20) + info.smallest_normal * info.eps / 2
+        return (step + UNIT_ROUNDOFF[values.dtype] * high) * (1 + 2.0**-20) + info.smallest_normal * info.eps / 2
 
     return bound
 
 
-@pytest.mark.parametrize(("levels", "norm", "bucket_size"), [(7, "l2", 512), (1, "max", 512), (4, "max", 64),
-                                                             (100, "l2", 7), (3, "max", 1)])
-def test_qsgd_ans_contract(levels: int, norm: str, bucket_size: int) -> None:
-    codec = codecs.get_value_codec("qsgd-ans", levels=levels, norm=norm, bucket_size=bucket_size, seed=1)
+@pytest.mark.parametrize(("levels", "norm", "bucket_size", "rounding"), [
+    (7, "l2", 512, "stochastic"), (1, "max", 512, "stochastic"), (4, "max", 64, "nearest"), (100, "l2", 7, "nearest"),
+    (3, "max", 1, "stochastic"), (1, "range", 512, "nearest"), (2, "range", 16, "stochastic"), (5, "range", 1, "nearest")])
+def test_qsgd_ans_contract(levels: int, norm: str, bucket_size: int, rounding: str) -> None:
+    codec = codecs.get_value_codec("qsgd-ans", levels=levels, norm=norm, bucket_size=bucket_size, rounding=rounding,
+                                   seed=1)
     check_config(codec)
-    check_value_codec(codec, scale_bound(levels, bucket_size, norm))
+    check_value_codec(codec, scale_bound(levels, bucket_size, norm, rounding))
 
 
 def test_qsgd_ans_default_sends_qsgd4_levels_in_under_a_third_of_the_bits() -> None:
@@ -66,15 +75,25 @@ def test_qsgd_ans_max_norm_lower_error_at_fewer_bits() -> None:
     assert len(data) < 0.7 * len(qsgd_data)
 
 
-def test_qsgd_ans_unbiased() -> None:
+@pytest.mark.parametrize("norm", ["max", "range"])
+def test_qsgd_ans_unbiased(norm: str) -> None:
     values = torch.tensor([0.3, -0.05, 0.9, 0.0, -1.0, 0.12] * 4)
-    mean = torch.stack([QSGDANSCodec(levels=3, norm="max", bucket_size=6, seed=s).encode_with_reconstruction(values)[1]
+    mean = torch.stack([QSGDANSCodec(levels=3, norm=norm, bucket_size=6, seed=s).encode_with_reconstruction(values)[1]
                         for s in range(3000)]).double().mean(0)
     assert torch.allclose(mean, values.double(), atol=0.03)
 
 
+def test_qsgd_ans_range_nearest_two_magnitudes_per_bucket() -> None:
+    """levels=1, norm=range, nearest: every value becomes +-(its bucket's min or max |v|)."""
+    values = torch.tensor([0.5, -0.1, 0.2, -0.4, 3.0, -2.0, 2.5, -2.2])
+    data, received = QSGDANSCodec(levels=1, norm="range", bucket_size=4, rounding="nearest").encode_with_reconstruction(values)
+    assert received.tolist() == pytest.approx([0.5, -0.1, 0.1, -0.5, 3.0, -2.0, 3.0, -2.0])
+    assert torch.equal(QSGDANSCodec().decode(memoryview(data), 8, torch.float32), received)
+
+
 def test_qsgd_ans_options_and_nonfinite() -> None:
-    for bad in ({"levels": 0}, {"levels": 1 << 15}, {"norm": "l1"}, {"bucket_size": 0}, {"seed": -1}, {"levels": True}):
+    for bad in ({"levels": 0}, {"levels": 1 << 15}, {"norm": "l1"}, {"bucket_size": 0}, {"seed": -1}, {"levels": True},
+                {"rounding": "up"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             QSGDANSCodec(**bad)
     with pytest.raises(ValueError):
@@ -120,7 +139,8 @@ def test_ans_contract_and_corruption() -> None:
 def test_fuzz_decode() -> None:
     values = torch.randn(300, generator=torch.Generator().manual_seed(3))
     seeds = [(QSGDANSCodec(seed=0).encode(values), 300, torch.float32),
-             (QSGDANSCodec(levels=2, norm="max", bucket_size=16, seed=0).encode(values.half()), 300, torch.float16)]
+             (QSGDANSCodec(levels=2, norm="max", bucket_size=16, seed=0).encode(values.half()), 300, torch.float16),
+             (QSGDANSCodec(levels=1, norm="range", rounding="nearest").encode(values), 300, torch.float32)]
     fuzz_decoder(QSGDANSCodec, seeds)
     fuzz_decoder(ANSCodec, [(ANSCodec().encode(values.bfloat16()), 300, torch.bfloat16),
                             (ANSCodec().encode(values), 300, torch.float32)])

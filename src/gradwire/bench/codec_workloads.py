@@ -45,6 +45,7 @@ LSTM_PAIRS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("bloom + qsgd-ans", "bloom", "qsgd-ans", {"seed": 0}),
     ("rice + qsgd-ans", "rice", "qsgd-ans", {"seed": 0}),
     ("rice + qsgd-ans max s=4", "rice", "qsgd-ans", {"seed": 0, "norm": "max", "levels": 4}),
+    ("rice + qsgd-ans range s=1 nearest", "rice", "qsgd-ans", {"norm": "range", "levels": 1, "rounding": "nearest"}),
 ]
 
 

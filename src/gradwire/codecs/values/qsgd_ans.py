@@ -1,31 +1,37 @@
 """``qsgd-ans``: QSGD's unbiased stochastic levels, entropy-coded (ANS) instead of fixed-width.
 
 Quantization is QSGD's (see :mod:`.qsgd`): the k values are cut into buckets of
-``bucket_size``; in a bucket of scale ``n`` each value v becomes a level ``l`` in ``0..s``
-(``s = levels``), ``floor(r)`` or ``floor(r) + 1`` with ``r = s |v| / n``, the latter with
-probability ``r - floor(r)``, so E[sign(v) l n / s] = v (unbiased). The scale is the bucket's
-L2 norm (``norm="l2"``, QSGD's choice: with s = 7 these are exactly the levels of
-``qsgd bits=4``) or its largest magnitude (``norm="max"``: finer levels for the same s, as
-most values of a bucket lie far below its L2 norm). Randomness as in ``qsgd`` (``seed``).
+``bucket_size``; in a bucket each magnitude is placed on ``s + 1`` levels (``s = levels``)
+evenly spaced from ``low`` to ``high`` and rounded to one of its two neighbouring levels,
+the upper one with probability equal to its fractional position (``rounding="stochastic"``:
+E[decoded] = v, unbiased) or to the nearest (``rounding="nearest"``: half the error, biased --
+for use with error feedback, which absorbs a bias but not a variance larger than the signal).
+``norm`` sets the level range: ``"l2"`` (QSGD's: 0 to the bucket's L2 norm; with s = 7 these
+are exactly the levels of ``qsgd bits=4``), ``"max"`` (0 to the largest magnitude: finer levels
+for the same s) or ``"range"`` (the smallest to the largest magnitude: for top-k selections,
+whose magnitudes all lie far from 0, levels=1 sends each value as +-(its bucket's min or max)).
+Randomness as in ``qsgd`` (``seed``).
 
 The levels are far from uniformly used -- with the L2 norm most values fall in level 0 or 1 --
-so instead of ``1 + log2(s + 1)`` bits each, the signed levels ``sign * l`` (2s + 1 symbols; a
-zero level carries no sign) are entropy-coded with ANS under the section's own count table
-(:mod:`._ans`). On N(0, 1) values, bucket 512, this sends qsgd-4's exact levels in about 1.1
-bits per value instead of 4.06 (``gradwire bench codecs`` prints the measured table).
+so instead of ``1 + log2(s + 1)`` bits each, the signed levels (2s + 1 symbols, as a zero level
+carries no sign; 2s + 2 under ``range``) are entropy-coded with ANS under the section's own
+count table (:mod:`._ans`). On N(0, 1) values, bucket 512, this sends qsgd-4's exact levels in
+about 1.13 bits per value instead of 4.06 (``gradwire bench codecs`` prints the measured table).
 
 Section layout (little-endian)::
 
-    norm         u8                        0 = l2, 1 = max
+    norm         u8                        0 = l2, 1 = max, 2 = range (rounding is not sent)
     s            u16                       levels, 1..MAX_LEVELS
     bucket_size  u32                       >= 1
-    scales       float32 x ceil(k / bucket_size)   finite, >= 0; each rounded *up* to float32,
-                                           so every |v| <= its bucket's scale
-    stream       the ANS stream of (sign * l + s), alphabet 2s + 1 (see _ans)
+    lows         float32 x B (range only)  each bucket's min |v| rounded *down* to float32
+    highs        float32 x B               B = ceil(k / bucket_size); finite, >= low; rounded
+                                           *up* to float32, so every |v| <= its bucket's high
+    stream       the ANS stream (see _ans) of sign * l + s (alphabet 2s + 1), or under
+                 range l + (s + 1) * negative (alphabet 2s + 2)
 
-Error bound, per element of a bucket with stored scale ``n``::
+Error bound, per element of a bucket with stored ``low`` (0 unless range) and ``high``::
 
-    |decoded - v| <= n / s + u * n + tiny
+    |decoded - v| <= (high - low) / s + u * high + tiny        (half the first term if nearest)
 
 with ``u`` and ``tiny`` as in ``qsgd`` (the reconstruction, computed in float64, is rounded
 once to the values' dtype; float16/bfloat16 results beyond the dtype's range are clamped).
@@ -45,23 +51,59 @@ from ._ans import decode_symbols, encode_symbols
 from .qsgd import _bucket_norms, _round_up_f32
 
 MAX_LEVELS = 1 << 14
-NORMS = ("l2", "max")
+NORMS = ("l2", "max", "range")
+ROUNDINGS = ("stochastic", "nearest")
 
 
-def _scales(magnitudes: np.ndarray, bucket_size: int, norm: str) -> np.ndarray:
-    if norm == "l2":
-        return _round_up_f32(_bucket_norms(magnitudes, bucket_size))
+def _round_down_f32(values: np.ndarray) -> np.ndarray:
+    """Largest float32 <= each value (>= 0)."""
+    stored = values.astype(np.float32)
+    high = stored.astype(np.float64) > values
+    stored[high] = np.nextafter(stored[high], np.float32(0))
+    return stored
+
+
+def _scales(magnitudes: np.ndarray, bucket_size: int, norm: str) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) float32 per bucket: levels run from low (0 unless ``range``) to high."""
     starts = np.arange(0, magnitudes.size, bucket_size)
-    return _round_up_f32(np.maximum.reduceat(magnitudes, starts))
+    if norm == "l2":
+        high = _round_up_f32(_bucket_norms(magnitudes, bucket_size))
+    else:
+        high = _round_up_f32(np.maximum.reduceat(magnitudes, starts))
+    if norm == "range":
+        return _round_down_f32(np.minimum.reduceat(magnitudes, starts)), high
+    return np.zeros(starts.size, dtype=np.float32), high
 
 
-def _reconstruct(signed: np.ndarray, scales: np.ndarray, levels: int, bucket_size: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """What the decoder returns for signed levels and float32 scales; the encoder uses it too,
+def _alphabet(levels: int, norm: str) -> int:
+    # a zero level carries no sign, except under ``range``, where level 0 is the magnitude low
+    return 2 * levels + 2 if norm == "range" else 2 * levels + 1
+
+
+def _to_symbols(signed: np.ndarray, negative: np.ndarray, levels: int, norm: str) -> np.ndarray:
+    if norm == "range":
+        return np.abs(signed) + (levels + 1) * negative
+    return signed + levels
+
+
+def _from_symbols(symbols: np.ndarray, levels: int, norm: str) -> tuple[np.ndarray, np.ndarray]:
+    """(level magnitudes, negative) of decoded symbols."""
+    if norm == "range":
+        negative = symbols > levels
+        return np.where(negative, symbols - levels - 1, symbols), negative
+    signed = symbols - levels
+    return np.abs(signed), signed < 0
+
+
+def _reconstruct(level: np.ndarray, negative: np.ndarray, low: np.ndarray, high: np.ndarray, levels: int,
+                 bucket_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """What the decoder returns for levels, signs and float32 scales; the encoder uses it too,
     so its reconstruction is bit-identical to a decode."""
     # index instead of np.repeat: a hostile bucket_size must not size an allocation
-    scale_of = scales.astype(np.float64)[np.arange(signed.size) // bucket_size]
-    value = signed.astype(np.float64) * (scale_of / levels)
+    bucket = np.arange(level.size) // bucket_size
+    low_of = low.astype(np.float64)[bucket]
+    magnitude = low_of + level.astype(np.float64) * ((high.astype(np.float64)[bucket] - low_of) / levels)
+    value = np.where(negative, -magnitude, magnitude)
     if dtype != torch.float64:
         limit = float(torch.finfo(dtype).max)
         value = np.clip(value, -limit, limit)
@@ -76,11 +118,12 @@ class QSGDANSCodec(ValueCodec):
     wire_id = 10
     lossless = False
 
-    def __init__(self, *, levels: int = 7, norm: str = "l2", bucket_size: int = 512,
+    def __init__(self, *, levels: int = 7, norm: str = "l2", bucket_size: int = 512, rounding: str = "stochastic",
                  seed: "int | None" = None) -> None:
         if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) or not 1 <= levels <= MAX_LEVELS:
             raise ValueError(f"levels={levels!r} is not supported; allowed: integers 1..{MAX_LEVELS}")
         check_choice("norm", norm, NORMS)
+        check_choice("rounding", rounding, ROUNDINGS)
         if (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer))
                 or not 1 <= bucket_size < 1 << 32):
             raise ValueError(f"bucket_size={bucket_size!r} is not supported; allowed: integers 1..2**32-1")
@@ -88,38 +131,51 @@ class QSGDANSCodec(ValueCodec):
             raise ValueError(f"seed={seed!r} is not supported; allowed: None or a non-negative integer")
         self.levels = int(levels)
         self.norm = norm
+        self.rounding = rounding
         self.bucket_size = int(bucket_size)
         self.seed = None if seed is None else int(seed)
 
-    def _quantize(self, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(signed levels int64 in [-s, s], scales float32) for ``values``."""
+    def _quantize(self, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(levels int64 in [0, s], negative bool, low float32, high float32) for ``values``."""
         v = values.detach().cpu().to(torch.float64).numpy()
         if not np.isfinite(v).all():
             raise ValueError("qsgd-ans cannot encode NaN or Inf values (a bucket scale would be non-finite)")
         if v.size == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+            empty = np.zeros(0, dtype=np.float32)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), empty, empty
         magnitudes = np.abs(v)
-        scales = _scales(magnitudes, self.bucket_size, self.norm)
-        if not np.isfinite(scales).all():
+        low, high = _scales(magnitudes, self.bucket_size, self.norm)
+        if not np.isfinite(high).all():
             raise ValueError("qsgd-ans: a bucket scale exceeds the float32 range; scale the values down")
-        scale_of = scales.astype(np.float64)[np.arange(v.size) // self.bucket_size]
-        ratio = np.divide(magnitudes, scale_of, out=np.zeros_like(magnitudes), where=scale_of > 0)
-        uniform = np.random.default_rng(self.seed).random(v.size)
-        # floor(r + U) is floor(r) + 1 with probability frac(r): unbiased; the clip guards rounding
-        level = np.minimum(np.floor(self.levels * ratio + uniform), self.levels).astype(np.int64)
-        return np.where(np.signbit(v), -level, level), scales
+        bucket = np.arange(v.size) // self.bucket_size
+        low_of = low.astype(np.float64)[bucket]
+        width = high.astype(np.float64)[bucket] - low_of
+        ratio = np.divide(magnitudes - low_of, width, out=np.zeros_like(magnitudes), where=width > 0)
+        if self.rounding == "stochastic":
+            # floor(r + U) is floor(r) + 1 with probability frac(r): unbiased
+            offset = np.random.default_rng(self.seed).random(v.size)
+        else:
+            offset = 0.5  # nearest level: half the error bound, biased (error feedback absorbs it)
+        # the clip guards rounding at the ends
+        level = np.clip(np.floor(self.levels * ratio + offset), 0, self.levels).astype(np.int64)
+        negative = np.signbit(v) & ((level > 0) | (self.norm == "range"))
+        return level, negative, low, high
 
-    def _section(self, signed: np.ndarray, scales: np.ndarray) -> bytes:
+    def _section(self, level: np.ndarray, negative: np.ndarray, low: np.ndarray, high: np.ndarray) -> bytes:
         header = (bytes([NORMS.index(self.norm)]) + int(self.levels).to_bytes(2, "little")
                   + int(self.bucket_size).to_bytes(4, "little"))
-        return header + scales.astype("<f4").tobytes() + encode_symbols(signed + self.levels, 2 * self.levels + 1)
+        signed = np.where(negative, -level, level)
+        lows = low.astype("<f4").tobytes() if self.norm == "range" else b""
+        symbols = _to_symbols(signed, negative, self.levels, self.norm)
+        return header + lows + high.astype("<f4").tobytes() + encode_symbols(symbols, _alphabet(self.levels, self.norm))
 
     def encode(self, values: torch.Tensor) -> bytes:
         return self._section(*self._quantize(values))
 
     def encode_with_reconstruction(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        signed, scales = self._quantize(values)
-        return self._section(signed, scales), _reconstruct(signed, scales, self.levels, self.bucket_size, values.dtype)
+        level, negative, low, high = self._quantize(values)
+        decoded = _reconstruct(level, negative, low, high, self.levels, self.bucket_size, values.dtype)
+        return self._section(level, negative, low, high), decoded
 
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
         require(count >= 0, "negative element count")
@@ -130,10 +186,16 @@ class QSGDANSCodec(ValueCodec):
         require(1 <= levels <= MAX_LEVELS, f"qsgd-ans levels {levels} is not in 1..{MAX_LEVELS}")
         bucket_size = reader.u32("qsgd-ans bucket size")
         require(bucket_size >= 1, "qsgd-ans bucket size is zero")
+        norm_name = NORMS[norm]
         buckets = -(-count // bucket_size)
-        require(4 * buckets <= reader.remaining, f"qsgd-ans: {buckets} scales do not fit the section")
-        scales = np.frombuffer(reader.take(4 * buckets, "qsgd-ans scales"), dtype="<f4")
-        require(bool(np.isfinite(scales).all() and (scales >= 0).all()), "qsgd-ans scale is negative or not finite")
-        symbols = decode_symbols(reader, count, 2 * levels + 1, "qsgd-ans levels")
+        arrays = 2 if norm_name == "range" else 1
+        require(4 * arrays * buckets <= reader.remaining, f"qsgd-ans: {buckets} scales do not fit the section")
+        low = (np.frombuffer(reader.take(4 * buckets, "qsgd-ans lows"), dtype="<f4") if norm_name == "range"
+               else np.zeros(buckets, dtype=np.float32))
+        high = np.frombuffer(reader.take(4 * buckets, "qsgd-ans scales"), dtype="<f4")
+        require(bool(np.isfinite(high).all() and (low >= 0).all() and (high >= low).all()),
+                "qsgd-ans scales are negative, not finite or not ordered")
+        symbols = decode_symbols(reader, count, _alphabet(levels, norm_name), "qsgd-ans levels")
         reader.expect_end()
-        return _reconstruct(symbols - levels, scales, levels, bucket_size, dtype)
+        level, negative = _from_symbols(symbols, levels, norm_name)
+        return _reconstruct(level, negative, low, high, levels, bucket_size, dtype)
