@@ -36,3 +36,13 @@ def test_bench_codecs_embedding_source(tmp_path, capsys) -> None:
     saved = json.loads(out.read_text())
     assert saved["rows"] == [] and {row["index_codec"] for row in saved["embedding"]} >= {"rle", "rice"}
     assert "non-zero rows raw" in capsys.readouterr().out
+
+
+def test_curvefit_rows_beat_fp16_within_the_bound() -> None:
+    rows = codec_workloads.curvefit_rows((16,))
+    by_codec = {row["codec"]: row for row in rows}
+    assert by_codec["fp16"]["bits_per_value"] == 16.0
+    assert by_codec["polyfit (fitted or raw only)"]["bits_per_value"] >= 16.0  # the permutation does not pay
+    for name in ("polyfit", "dexp"):
+        assert by_codec[name]["bits_per_value"] < 4.0 and by_codec[name]["layout"] == 2
+        assert by_codec[name]["max_error_vs_peak"] <= 0.05

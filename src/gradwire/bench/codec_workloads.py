@@ -162,3 +162,40 @@ def embedding_rows(gradient: list[tuple[str, torch.Tensor]],
     info = {"dense_bytes": 4 * joined_flat.numel(), "nonzero_row_bytes": raw_rows,
             "nonzeros": int(joined_indices.numel())}
     return rows, info
+
+
+#: (label, value codec, options) of the curve-fit table.
+CURVEFIT_CODECS: list[tuple[str, str, dict[str, Any]]] = [
+    ("fp16", "fp16", {}),
+    ("polyfit (fitted or raw only)", "polyfit", {"level_layout": False}),
+    ("polyfit", "polyfit", {}),
+    ("dexp", "dexp", {}),
+]
+
+
+def curvefit_rows(exponents: tuple[int, ...] = (16, 18, 20, 22), seed: int = 0) -> list[dict[str, Any]]:
+    """``polyfit``/``dexp`` at tolerance 0.05 on k = 2**e gradient-like values (N(0, 1e-3**2)):
+    bits per value, the largest error as a fraction of max|v| (the stated bound is 0.05), the
+    layout sent (0 plain, 1 fitted, 2 levels) and encode/decode seconds."""
+    import time
+
+    rows = []
+    generator = torch.Generator().manual_seed(seed)
+    for exponent in exponents:
+        k = 1 << exponent
+        values = torch.randn(k, generator=generator) * 1e-3
+        peak = float(values.abs().max())
+        for label, name, options in CURVEFIT_CODECS:
+            codec = codecs.get_value_codec(name, **options)
+            start = time.perf_counter()
+            data, received = codec.encode_with_reconstruction(values)
+            middle = time.perf_counter()
+            decoded = codec.decode(memoryview(data), k, values.dtype)
+            end = time.perf_counter()
+            if not torch.equal(decoded, received):
+                raise AssertionError(f"{label}: decode differs from the encoder's reconstruction")
+            rows.append({"k": k, "codec": label, "bits_per_value": 8 * len(data) / k,
+                         "max_error_vs_peak": float((decoded.double() - values.double()).abs().max()) / peak,
+                         "layout": data[0] if name != "fp16" else -1,
+                         "encode_s": middle - start, "decode_s": end - middle})
+    return rows

@@ -10,7 +10,8 @@ Sources of sparse gradients:
   top-k of the whole gradient at each density as above, and also the layer-wise top-10%
   table of codec *pairs* (relative volume next to DeepReduce's published figures);
 * ``embedding``: an embedding-heavy model's gradient, sent exactly with the ``nonzero``
-  sparsifier: bytes per index codec against the non-zero rows' raw size.
+  sparsifier: bytes per index codec against the non-zero rows' raw size;
+* ``curvefit``: ``polyfit``/``dexp`` on k = 2**16 .. 2**22 values against float16.
 
 For each index codec: bits per index, the information bound log2(C(n, k)) / k, the ratio to
 it, bytes vs the COO int32 baseline, encode and decode throughput in GB/s of the dense float32
@@ -37,13 +38,13 @@ from . import codec_workloads
 from .table import progress
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
-SOURCES = ("synthetic", "mnist", "lstm", "embedding")
+SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
-    parser.add_argument("--sources", default="synthetic,mnist,lstm,embedding",
+    parser.add_argument("--sources", default="synthetic,mnist,lstm,embedding,curvefit",
                         help="comma-separated: " + ", ".join(SOURCES))
     parser.add_argument("--lstm-density", type=float, default=0.1, help="layer-wise density of the LSTM pairs table")
     parser.add_argument("--index-codecs", default="all", help="comma-separated names or 'all'")
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
     cases = []
     for source in sources:
-        if source == "embedding":
+        if source in ("embedding", "curvefit"):
             continue
         for density in densities:
             cases.append((source, density))
@@ -220,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
     if "embedding" in sources:
         extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(codec_workloads.embedding_gradient())
         print_embedding(extra["embedding"], extra["embedding_info"])
+    if "curvefit" in sources:
+        extra["curvefit"] = codec_workloads.curvefit_rows()
+        print_curvefit(extra["curvefit"])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"torch_threads": torch.get_num_threads(), "rows": rows, **extra}, handle, indent=1)
@@ -268,6 +272,17 @@ def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any =
         ["index codec", "bytes (per layer)", "x rows raw", "bytes (joined)", "x rows raw", "bit-exact"],
         [[r["index_codec"], f"{r['layerwise_bytes']:,}", f"{r['layerwise_vs_rows']:.4f}", f"{r['joined_bytes']:,}",
           f"{r['joined_vs_rows']:.4f}", "yes" if r["exact"] else "NO"] for r in rows]), file=out)
+
+
+def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout
+    print("\ncurve fits at large k, tolerance 0.05 (stated bound: max error <= 0.05 max|v|), N(0, 1e-3^2) values; "
+          "layout 0 plain, 1 fitted, 2 levels", file=out)
+    print(format_table(
+        ["k", "codec", "bits/value", "max err / max|v|", "layout", "enc s", "dec s"],
+        [[f"2^{r['k'].bit_length() - 1}", r["codec"], f"{r['bits_per_value']:.3f}", f"{r['max_error_vs_peak']:.4f}",
+          "" if r["layout"] < 0 else str(r["layout"]), f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}"]
+         for r in rows]), file=out)
 
 
 def _grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
