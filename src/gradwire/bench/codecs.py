@@ -133,8 +133,17 @@ def measure_index_codec(name: str, indices: np.ndarray, numel: int, repeats: int
     return row
 
 
+#: Option variants measured beside the defaults (``--value-codecs all``, or naming the label).
+VALUE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qsgd-ans max s=4": ("qsgd-ans", {"norm": "max", "levels": 4}),
+    "qsgd-ans range s=1 nearest": ("qsgd-ans", {"norm": "range", "levels": 1, "rounding": "nearest"}),
+    "zstd level 19": ("zstd", {"level": 19}),
+}
+
+
 def measure_value_codec(name: str, values: torch.Tensor, numel: int, repeats: int) -> dict[str, Any]:
-    codec = codecs.get_value_codec(name)
+    base, options = VALUE_VARIANTS.get(name, (name, {}))
+    codec = codecs.get_value_codec(base, **options)
     k = values.numel()
     encode_seconds, data = _best_time(lambda: codec.encode(values), repeats)
     view = memoryview(data)
@@ -178,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.lstm_density <= 1:
         raise ValueError(f"--lstm-density={args.lstm_density}: must be in (0, 1]")
     index_names = _names(args.index_codecs, sorted(index_codec_classes()), "index-codecs")
-    value_names = _names(args.value_codecs, sorted(value_codec_classes()), "value-codecs")
+    value_names = _names(args.value_codecs, sorted(value_codec_classes()) + list(VALUE_VARIANTS), "value-codecs")
     gradients = {}
     if "mnist" in sources:
         gradients["mnist"] = mnist_gradient()
