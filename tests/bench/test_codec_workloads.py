@@ -46,3 +46,9 @@ def test_curvefit_rows_beat_fp16_within_the_bound() -> None:
     for name in ("polyfit", "dexp"):
         assert by_codec[name]["bits_per_value"] < 4.0 and by_codec[name]["layout"] == 2
         assert by_codec[name]["max_error_vs_peak"] <= 0.05
+
+
+def test_lossless_rows_ans_beats_zstd_on_bfloat16() -> None:
+    rows = codec_workloads.lossless_rows(k=20_000, repeats=1)
+    bits = {(r["data"], r["dtype"], r["codec"]): r["bits_per_value"] for r in rows}
+    assert bits[("N(0,1e-3^2)", "bfloat16", "ans")] < bits[("N(0,1e-3^2)", "bfloat16", "zstd (shuffle)")] < 16

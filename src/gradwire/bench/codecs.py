@@ -11,7 +11,8 @@ Sources of sparse gradients:
   table of codec *pairs* (relative volume next to DeepReduce's published figures);
 * ``embedding``: an embedding-heavy model's gradient, sent exactly with the ``nonzero``
   sparsifier: bytes per index codec against the non-zero rows' raw size;
-* ``curvefit``: ``polyfit``/``dexp`` on k = 2**16 .. 2**22 values against float16.
+* ``curvefit``: ``polyfit``/``dexp`` on k = 2**16 .. 2**22 values against float16;
+* ``lossless``: ``ans`` against byte-shuffle + zstd/deflate on float16/bfloat16/float32 values.
 
 For each index codec: bits per index, the information bound log2(C(n, k)) / k, the ratio to
 it, bytes vs the COO int32 baseline, encode and decode throughput in GB/s of the dense float32
@@ -38,13 +39,13 @@ from . import codec_workloads
 from .table import progress
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
-SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit")
+SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
-    parser.add_argument("--sources", default="synthetic,mnist,lstm,embedding,curvefit",
+    parser.add_argument("--sources", default=",".join(SOURCES),
                         help="comma-separated: " + ", ".join(SOURCES))
     parser.add_argument("--lstm-density", type=float, default=0.1, help="layer-wise density of the LSTM pairs table")
     parser.add_argument("--index-codecs", default="all", help="comma-separated names or 'all'")
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     cases = []
     for source in sources:
-        if source in ("embedding", "curvefit"):
+        if source in ("embedding", "curvefit", "lossless"):
             continue
         for density in densities:
             cases.append((source, density))
@@ -233,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
     if "curvefit" in sources:
         extra["curvefit"] = codec_workloads.curvefit_rows()
         print_curvefit(extra["curvefit"])
+    if "lossless" in sources:
+        extra["lossless"] = codec_workloads.lossless_rows(repeats=args.repeats)
+        print_lossless(extra["lossless"])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"torch_threads": torch.get_num_threads(), "rows": rows, **extra}, handle, indent=1)
@@ -292,6 +296,15 @@ def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
         [[f"2^{r['k'].bit_length() - 1}", r["codec"], f"{r['bits_per_value']:.3f}", f"{r['max_error_vs_peak']:.4f}",
           "" if r["layout"] < 0 else str(r["layout"]), f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}"]
          for r in rows]), file=out)
+
+
+def print_lossless(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout
+    print("\nlossless value codecs, k = 167,772 values (GB/s of the dense gradient at 1% density)", file=out)
+    print(format_table(
+        ["values", "dtype", "codec", "bits/value", "enc GB/s", "dec GB/s"],
+        [[r["data"], r["dtype"], r["codec"], f"{r['bits_per_value']:.3f}", f"{r['encode_gbps']:.2f}",
+          f"{r['decode_gbps']:.2f}"] for r in rows]), file=out)
 
 
 def _grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
