@@ -11,7 +11,8 @@ index codec that codes runs, e.g. ``rle``, spends a few bytes on a fully dense r
 run of a row-sparse table's ``dim`` consecutive positions).
 
 NaN compares unequal to zero, so it is kept (callers check gradients for NaN/Inf first); a
-negative zero is not kept (it sums to the same as an absent entry).
+negative zero is not kept: it adds nothing, though where every rank holds -0.0 the hook's sum
+is +0.0 where a dense AllReduce gives -0.0 (equal values, different bits).
 
 Options: ``density`` is accepted and ignored -- the hook fills in a default density when no
 amount is given, and the amount here is decided by the data. ``target_k`` is None.
