@@ -6,12 +6,15 @@ runs every method from the same initial model; the table gives, per method, the 
 spread over seeds of the test accuracy and (LSTM) the test perplexity exp(mean loss per byte),
 and the difference to the fp32-values method of the same density.
 
-    PYTHONPATH=src python scripts/accuracy_values.py --seeds 0,1,2 --out bench-out/accuracy-values
+    PYTHONPATH=src python scripts/accuracy_values.py --seeds 0,1,2 --out bench-out/accuracy-values \
+        --lossy "qsgd-ans,levels=1,norm=range,rounding=nearest;polyfit"
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import math
 import os
@@ -25,25 +28,37 @@ import sysconfig
 LOSSY = "qsgd-ans,levels=1,norm=range,rounding=nearest"
 
 
-def methods(lossy: str) -> list[str]:
-    return [f"topk:density={d},values={v},indices=rice" for d in ("0.01", "0.1") for v in ("fp32", lossy)]
+def methods(lossy: list[str], with_fp32: bool = True) -> list[str]:
+    values = (["fp32"] if with_fp32 else []) + lossy
+    return [f"topk:density={d},values={v},indices=rice" for d in ("0.01", "0.1") for v in values]
 
 
-def launch(model: str, seed: int, args: argparse.Namespace, out: str) -> list[dict]:
-    path = os.path.join(out, f"{model}-seed{seed}.json")
-    if os.path.exists(path):  # resume: a finished launch is not rerun
+def saved(model: str, seed: int, out: str) -> dict[str, dict]:
+    """Summaries by method from every finished launch of (model, seed) under ``out``."""
+    found: dict[str, dict] = {}
+    for path in sorted(glob.glob(os.path.join(out, f"{model}-seed{seed}*.json"))):
         with open(path) as handle:
-            return json.load(handle)
-    command = [sys.executable, "-m", "gradwire", "train", "--model", model, "--workers", "2", "--seed", str(seed),
-               "--epochs", str(args.epochs), "--timeout", str(args.timeout), "--json", path]
-    if model == "lstm":
-        command += ["--text", args.text, "--lr", str(args.lstm_lr)]
-    for method in methods(args.lossy):
-        command += ["--method", method]
-    print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, timeout=args.timeout + 120)
-    with open(path) as handle:
-        return json.load(handle)
+            found.update({summary["method"]: summary for summary in json.load(handle)})
+    return found
+
+
+def launch(model: str, seed: int, wanted: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Run the methods of ``wanted`` not yet saved (resumable; several copies may share ``out``
+    when they want different methods)."""
+    missing = [m for m in wanted if m not in saved(model, seed, args.out)]
+    if missing and not args.report_only:
+        tag = hashlib.sha256("\n".join(missing).encode()).hexdigest()[:8]
+        path = os.path.join(args.out, f"{model}-seed{seed}-{tag}.json")
+        command = [sys.executable, "-m", "gradwire", "train", "--model", model, "--workers", "2", "--seed", str(seed),
+                   "--epochs", str(args.epochs), "--timeout", str(args.timeout), "--json", path + ".part"]
+        if model == "lstm":
+            command += ["--text", args.text, "--lr", str(args.lstm_lr)]
+        for method in missing:
+            command += ["--method", method]
+        print("$", " ".join(command), flush=True)
+        subprocess.run(command, check=True, timeout=args.timeout + 120)
+        os.replace(path + ".part", path)
+    return saved(model, seed, args.out)
 
 
 def main() -> None:
@@ -51,7 +66,10 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--models", default="cnn,lstm")
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--lossy", default=LOSSY, help=f"value codec (and options) compared with fp32 (default {LOSSY})")
+    parser.add_argument("--lossy", default=LOSSY,
+                        help=f"';'-separated value codecs (and options) compared with fp32 (default {LOSSY})")
+    parser.add_argument("--no-fp32", action="store_true", help="run only the lossy methods (another copy runs fp32)")
+    parser.add_argument("--report-only", action="store_true", help="print the table of what is saved; run nothing")
     parser.add_argument("--text", default=os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py"))
     parser.add_argument("--lstm-lr", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -59,17 +77,20 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
+    lossy = [spec for spec in args.lossy.split(";") if spec]
     rows = []
     for model in args.models.split(","):
-        runs = {seed: launch(model, seed, args, args.out) for seed in seeds}
+        runs = {seed: launch(model, seed, methods(lossy, not args.no_fp32), args) for seed in seeds}
         stats = {}
-        for method in methods(args.lossy):
-            accuracy = [next(s for s in runs[seed] if s["method"] == method)["test_accuracy"] for seed in seeds]
-            loss = [next(s for s in runs[seed] if s["method"] == method)["test_loss"] for seed in seeds]
-            stats[method] = (accuracy, [math.exp(x) for x in loss])
+        for method in methods(lossy):
+            have = [runs[seed][method] for seed in seeds if method in runs[seed]]
+            if have:
+                stats[method] = ([s["test_accuracy"] for s in have], [math.exp(s["test_loss"]) for s in have])
         for method, (accuracy, perplexity) in stats.items():
-            base = stats[method.replace(f"values={args.lossy}", "values=fp32")]
-            rows.append([model, method, f"{100 * statistics.mean(accuracy):.2f}",
+            base_name = next((method.replace(f"values={spec}", "values=fp32") for spec in lossy
+                              if f"values={spec}," in method), method)
+            base = stats.get(base_name, (accuracy, perplexity))
+            rows.append([model, method, str(len(accuracy)), f"{100 * statistics.mean(accuracy):.2f}",
                          f"{100 * (statistics.stdev(accuracy) if len(accuracy) > 1 else 0):.2f}",
                          f"{100 * (statistics.mean(accuracy) - statistics.mean(base[0])):+.2f}",
                          f"{statistics.mean(perplexity):.3f}",
@@ -77,7 +98,8 @@ def main() -> None:
     from gradwire.tables import format_table
 
     print(f"\n2 workers, {args.epochs} epochs, seeds {args.seeds}; LSTM text: {args.text}")
-    print(format_table(["model", "method", "test acc %", "sd", "vs fp32 (points)", "test ppl", "vs fp32"], rows))
+    print(format_table(["model", "method", "seeds", "test acc %", "sd", "vs fp32 (points)", "test ppl", "vs fp32"],
+                       rows))
 
 
 if __name__ == "__main__":
