@@ -95,19 +95,38 @@ def _from_symbols(symbols: np.ndarray, levels: int, norm: str) -> tuple[np.ndarr
     return np.abs(signed), signed < 0
 
 
+def _per_element(per_bucket: np.ndarray, count: int, bucket_size: int) -> np.ndarray:
+    """Each bucket's value repeated over its elements (float64, shape (count,)). The counts are
+    capped by ``count``, so a hostile ``bucket_size`` cannot size an allocation."""
+    repeats = np.full(per_bucket.size, min(bucket_size, count), dtype=np.int64)
+    if per_bucket.size:
+        repeats[-1] = count - bucket_size * (per_bucket.size - 1)
+    return np.repeat(per_bucket.astype(np.float64), repeats)
+
+
+def _to_dtype(value: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """One rounding of float64 ``value`` to ``dtype`` (numpy's casts for float32/float16: torch's
+    multi-threaded ``to`` was slower under load than the arithmetic)."""
+    if dtype == torch.float64:
+        return torch.from_numpy(value)
+    if dtype in (torch.float32, torch.float16):
+        return torch.from_numpy(value.astype(np.float32 if dtype == torch.float32 else np.float16))
+    return torch.from_numpy(value).to(dtype)
+
+
 def _reconstruct(level: np.ndarray, negative: np.ndarray, low: np.ndarray, high: np.ndarray, levels: int,
                  bucket_size: int, dtype: torch.dtype) -> torch.Tensor:
     """What the decoder returns for levels, signs and float32 scales; the encoder uses it too,
     so its reconstruction is bit-identical to a decode."""
-    # index instead of np.repeat: a hostile bucket_size must not size an allocation
-    bucket = np.arange(level.size) // bucket_size
-    low_of = low.astype(np.float64)[bucket]
-    magnitude = low_of + level.astype(np.float64) * ((high.astype(np.float64)[bucket] - low_of) / levels)
-    value = np.where(negative, -magnitude, magnitude)
+    count = level.size
+    step = _per_element((high.astype(np.float64) - low) / levels, count, bucket_size)
+    magnitude = level * step
+    if low.any():
+        magnitude += _per_element(low, count, bucket_size)
     if dtype != torch.float64:
-        limit = float(torch.finfo(dtype).max)
-        value = np.clip(value, -limit, limit)
-    return torch.from_numpy(value).to(dtype)
+        np.minimum(magnitude, float(torch.finfo(dtype).max), out=magnitude)
+    np.negative(magnitude, out=magnitude, where=negative)
+    return _to_dtype(magnitude, dtype)
 
 
 @register_value_codec
@@ -137,7 +156,9 @@ class QSGDANSCodec(ValueCodec):
 
     def _quantize(self, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(levels int64 in [0, s], negative bool, low float32, high float32) for ``values``."""
-        v = values.detach().cpu().to(torch.float64).numpy()
+        v = values.detach().cpu()
+        v = v.numpy() if v.dtype in (torch.float32, torch.float64, torch.float16) else v.float().numpy()
+        v = v.astype(np.float64)
         if not np.isfinite(v).all():
             raise ValueError("qsgd-ans cannot encode NaN or Inf values (a bucket scale would be non-finite)")
         if v.size == 0:
@@ -147,17 +168,20 @@ class QSGDANSCodec(ValueCodec):
         low, high = _scales(magnitudes, self.bucket_size, self.norm)
         if not np.isfinite(high).all():
             raise ValueError("qsgd-ans: a bucket scale exceeds the float32 range; scale the values down")
-        bucket = np.arange(v.size) // self.bucket_size
-        low_of = low.astype(np.float64)[bucket]
-        width = high.astype(np.float64)[bucket] - low_of
-        ratio = np.divide(magnitudes - low_of, width, out=np.zeros_like(magnitudes), where=width > 0)
+        width = _per_element(high.astype(np.float64) - low, v.size, self.bucket_size)
+        scaled = magnitudes
+        if low.any():
+            scaled = magnitudes - _per_element(low, v.size, self.bucket_size)
+        # levels * |v| / width, 0 where a bucket is all one magnitude
+        np.divide(scaled * self.levels, width, out=scaled, where=width > 0)
+        scaled[width <= 0] = 0.0
         if self.rounding == "stochastic":
             # floor(r + U) is floor(r) + 1 with probability frac(r): unbiased
-            offset = np.random.default_rng(self.seed).random(v.size)
+            scaled += np.random.default_rng(self.seed).random(v.size)
         else:
-            offset = 0.5  # nearest level: half the error bound, biased (error feedback absorbs it)
+            scaled += 0.5  # nearest level: half the error bound, biased (error feedback absorbs it)
         # the clip guards rounding at the ends
-        level = np.clip(np.floor(self.levels * ratio + offset), 0, self.levels).astype(np.int64)
+        level = np.clip(np.floor(scaled), 0, self.levels).astype(np.int64)
         negative = np.signbit(v) & ((level > 0) | (self.norm == "range"))
         return level, negative, low, high
 
