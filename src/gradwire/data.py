@@ -76,3 +76,33 @@ def load(
     test, train = order[:n_test], order[n_test:]
     dataset = torch.utils.data.TensorDataset
     return dataset(images[train], targets[train]), dataset(images[test], targets[test])
+
+
+def python_source_words(vocab_size: int = 10_000, max_bytes: int = 4_000_000) -> tuple[torch.Tensor, int]:
+    """A word-level token stream from this Python's own standard-library sources (no download).
+
+    Reads the standard library's top-level ``*.py`` files in name order until ``max_bytes``,
+    splits them into words and single punctuation characters, keeps the ``vocab_size - 1`` most
+    frequent (ties by first appearance) and maps the rest to id ``vocab_size - 1`` (unknown).
+    Returns (token ids int64 (N,), vocab_size). The text depends on the Python version, so the
+    stream does too; within one installation it is fixed.
+    """
+    import collections
+    import pathlib
+    import re
+    import sysconfig
+
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size={vocab_size} must be >= 2")
+    texts, size = [], 0
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    words = re.findall(r"\w+|[^\w\s]", "\n".join(texts))
+    ranked = [word for word, _ in collections.Counter(words).most_common(vocab_size - 1)]
+    ids = {word: i for i, word in enumerate(ranked)}
+    unknown = vocab_size - 1
+    return torch.tensor([ids.get(word, unknown) for word in words], dtype=torch.int64), vocab_size

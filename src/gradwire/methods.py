@@ -41,6 +41,9 @@ HOOK_KEYS = {
     "policy": ("codec_option:policy", str),
     "tolerance": ("codec_option:tolerance", float),
     "level": ("codec_option:level", int),
+    "levels": ("codec_option:levels", int),
+    "norm": ("codec_option:norm", str),
+    "rounding": ("codec_option:rounding", str),
 }
 TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": {}, "allreduce": {}}
 PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}

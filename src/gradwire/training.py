@@ -115,17 +115,22 @@ def _wrap(module: torch.nn.Module, spec: MethodSpec, config: TrainConfig, device
     return ddp, state
 
 
-def _evaluate(model: torch.nn.Module, workload: Workload, device: torch.device, batch_size: int = 256) -> float:
+def _evaluate(model: torch.nn.Module, workload: Workload, device: torch.device,
+              batch_size: int = 256) -> tuple[float, float]:
+    """(accuracy, mean loss per prediction) on the test set; exp(loss) is the perplexity of a
+    language model."""
     model.eval()
     loader = torch.utils.data.DataLoader(workload.test, batch_size=batch_size)
-    correct, total = 0.0, 0
+    correct, total, loss_sum = 0.0, 0, 0.0
     with torch.no_grad():
         for inputs, targets in loader:
             outputs = model(inputs.to(device))
-            correct += workload.accuracy(outputs, targets.to(device)) * targets.numel()
+            targets = targets.to(device)
+            correct += workload.accuracy(outputs, targets) * targets.numel()
+            loss_sum += float(workload.loss(outputs, targets)) * targets.numel()
             total += targets.numel()
     model.train()
-    return correct / max(total, 1)
+    return correct / max(total, 1), loss_sum / max(total, 1)
 
 
 def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
@@ -193,7 +198,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         bar.close()
     if metrics_file:
         metrics_file.close()
-    accuracy = _evaluate(ddp, workload, device) if config.evaluate and status == "ok" else math.nan
+    accuracy, test_loss = (_evaluate(ddp, workload, device) if config.evaluate and status == "ok"
+                           else (math.nan, math.nan))
     measured = records[config.warmup_steps:] or records
     summary = {
         "method": spec_text,
@@ -203,6 +209,7 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "steps": len(records),
         "final_loss": records[-1]["loss"] if records else math.nan,
         "test_accuracy": accuracy,
+        "test_loss": test_loss,
         "wall_seconds": wall,
         "seconds_per_step": median([r["seconds_step"] for r in measured]),
         "bytes_per_step": median([r.get("bytes_sent", math.nan) for r in measured]),

@@ -41,9 +41,9 @@ def test_registries_list_every_codec_the_wire_format_names() -> None:
     assert codecs.index_codecs() == sorted(
         ["raw", "delta-varint", "bitmap", "rle", "huffman", "eliasfano", "rice", "zstd", "deflate", "bloom"])
     assert codecs.value_codecs() == sorted(
-        ["fp32", "fp16", "bf16", "zstd", "deflate", "qsgd", "polyfit", "dexp", "fp16-scaled"])
+        ["fp32", "fp16", "bf16", "zstd", "deflate", "qsgd", "polyfit", "dexp", "fp16-scaled", "qsgd-ans", "ans"])
     value_ids = [codecs.get_value_codec(name).wire_id for name in codecs.value_codecs()]
-    assert sorted(value_ids) == list(range(1, 10))
+    assert sorted(value_ids) == list(range(1, 12))
     wire_ids = [codecs.get_index_codec(name).wire_id for name in codecs.index_codecs()]
     assert sorted(wire_ids) == list(range(1, 11))
 

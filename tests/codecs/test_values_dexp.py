@@ -43,7 +43,7 @@ def test_bound_holds_on_the_fitted_path(tolerance: float) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_dtype_and_size(dtype: torch.dtype) -> None:
     values = (torch.randn(5000, generator=torch.Generator().manual_seed(4)) ** 3).to(dtype)
-    data, received = DoubleExpCodec().encode_with_reconstruction(values)
+    data, received = DoubleExpCodec(level_layout=False).encode_with_reconstruction(values)
     assert data[0] == _fit.MODE_FITTED and len(data) < 2 * values.numel()  # 13-bit ranks beat float16
     decoded = DoubleExpCodec().decode(memoryview(data), values.numel(), dtype)
     assert torch.equal(decoded.view(torch.uint8), received.view(torch.uint8))
@@ -56,6 +56,16 @@ def test_options_and_nonfinite() -> None:
             DoubleExpCodec(tolerance=tolerance)
     with pytest.raises(ValueError):
         DoubleExpCodec().encode(torch.tensor([float("inf"), 1.0]))
+    with pytest.raises(ValueError, match="level_layout"):
+        DoubleExpCodec(level_layout=1)
+
+
+def test_levels_layout_at_large_k() -> None:
+    values = torch.randn(1 << 17, generator=torch.Generator().manual_seed(8)) * 1e-3
+    data, received = DoubleExpCodec().encode_with_reconstruction(values)
+    assert data[0] == _fit.MODE_LEVELS and 8 * len(data) / values.numel() < 4.0
+    assert torch.equal(DoubleExpCodec().decode(memoryview(data), values.numel(), values.dtype), received)
+    assert (received - values).abs().max() <= 0.05 * values.abs().max()
 
 
 def test_hostile_sections() -> None:

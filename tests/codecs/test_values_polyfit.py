@@ -45,7 +45,7 @@ def test_smaller_than_fp32_on_gradients() -> None:
 def test_fits_and_beats_fp16_when_the_permutation_is_cheap() -> None:
     """At k = 5000 the ranks cost 13 bits: the fitted layout wins over float16."""
     for label, values in gradient_like(5000, seed=1).items():
-        data = PolyFitCodec().encode(values)
+        data = PolyFitCodec(level_layout=False).encode(values)
         assert mode(data) == _fit.MODE_FITTED, label
         assert len(data) < 2 * values.numel(), label
 
@@ -97,7 +97,7 @@ def test_plain_fallback_for_tiny_inputs_and_tight_tolerance() -> None:
     assert len(data) <= 4 + 4 * values.numel()
     assert (received - values).abs().max() <= 1e-5 * values.abs().max()
     values = gradient_like(100_000)["normal"]
-    data = PolyFitCodec().encode(values)  # 17-bit ranks cost more than float16, which meets 5%
+    data = PolyFitCodec(level_layout=False).encode(values)  # 17-bit ranks cost more than float16
     assert mode(data) == _fit.MODE_PLAIN and data[1] == _fit.KIND_F16
 
 
@@ -110,9 +110,48 @@ def test_degree_and_tolerance_options() -> None:
             PolyFitCodec(tolerance=tolerance)
     # a section written with degree 5 decodes on a default instance: P travels in the section
     values = gradient_like(3000)["heavy"]
-    data, received = PolyFitCodec(degree=5).encode_with_reconstruction(values)
+    data, received = PolyFitCodec(degree=5, level_layout=False).encode_with_reconstruction(values)
     assert mode(data) == _fit.MODE_FITTED and data[3] == 6
     assert torch.equal(PolyFitCodec().decode(memoryview(data), 3000, torch.float32), received)
+
+
+@pytest.mark.parametrize("k", [1 << 16, 1 << 18])
+def test_levels_layout_beats_fp16_at_large_k_within_the_bound(k: int) -> None:
+    """Issue 12: the fit pays at any k. The levels layout costs < 4 bits per value here, far below
+    float16's 16 and the 16-18 bits the ranks alone would cost; the bound still holds."""
+    for label, values in gradient_like(k, seed=7).items():
+        data, received = PolyFitCodec().encode_with_reconstruction(values)
+        assert mode(data) == _fit.MODE_LEVELS, label
+        assert 8 * len(data) / k < 4.0, label
+        assert torch.equal(PolyFitCodec().decode(memoryview(data), k, values.dtype), received)
+        assert (received.double() - values.double()).abs().max() <= 0.05 * values.double().abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tolerance", [0.3, 0.05, 1e-3, 1e-4])
+def test_levels_layout_bound_every_dtype(dtype: torch.dtype, tolerance: float) -> None:
+    values = (torch.randn(20_000, generator=torch.Generator().manual_seed(6)) ** 3).to(dtype)
+    data, received = PolyFitCodec(tolerance=tolerance).encode_with_reconstruction(values)
+    decoded = PolyFitCodec().decode(memoryview(data), values.numel(), dtype)
+    assert torch.equal(decoded.view(torch.uint8), received.view(torch.uint8))
+    assert (decoded.double() - values.double()).abs().max() <= tolerance * values.double().abs().max()
+    if tolerance >= 0.05:
+        assert mode(data) == _fit.MODE_LEVELS
+
+
+def test_levels_layout_hostile_sections() -> None:
+    values = gradient_like(5000)["heavy"]
+    data = PolyFitCodec().encode(values)
+    assert mode(data) == _fit.MODE_LEVELS
+    for count in (4999, 5001, 1 << 40):
+        with pytest.raises(DecodeError):
+            PolyFitCodec().decode(memoryview(data), count, torch.float32)
+    for bad_step in (0.0, -1.0, float("inf"), float("nan")):
+        hostile = data[:3] + np.float32(bad_step).tobytes() + data[7:]
+        with pytest.raises(DecodeError, match="step"):
+            PolyFitCodec().decode(memoryview(hostile), 5000, torch.float32)
+    with pytest.raises(DecodeError):
+        PolyFitCodec().decode(memoryview(data[:7] + b"\x00\x00" + data[9:]), 5000, torch.float32)
 
 
 def test_nonfinite_refused() -> None:
@@ -166,8 +205,11 @@ def test_fuzz_decode() -> None:
     seeds = [
         (_fit.encode_fit(values, ChebyshevModel(degree + 1), 0.05, allow_plain=False)[0], values.numel(), values.dtype)
         for degree, values in ((3, torch.randn(300) ** 3), (0, torch.randn(40).half()), (2, torch.randn(3).double()))
-    ] + [(PolyFitCodec().encode(torch.randn(5)), 5, torch.float32)]
-    fuzz_decoder(PolyFitCodec, seeds, max_examples=200)
+    ] + [(PolyFitCodec().encode(torch.randn(5)), 5, torch.float32),
+         (PolyFitCodec().encode(torch.randn(300) ** 3), 300, torch.float32),  # the levels layout
+         (PolyFitCodec(tolerance=0.01).encode(torch.randn(200).bfloat16()), 200, torch.bfloat16)]
+    assert {seed[0][0] for seed in seeds} == {_fit.MODE_PLAIN, _fit.MODE_FITTED, _fit.MODE_LEVELS}
+    fuzz_decoder(PolyFitCodec, seeds, max_examples=250)
 
 
 def test_registered() -> None:

@@ -28,6 +28,8 @@ def make(name: str, *, density: float = 0.01, k: int | None = None, seed: int = 
     """``name`` at ``density`` (or ``k``); ``threshold`` at the N(0, 1) quantile of ``density``."""
     if name == "threshold":
         return sparsify.get_sparsifier(name, threshold=normal_quantile(density), seed=seed)
+    if name == "nonzero":  # keeps what is non-zero, whatever the amount
+        return sparsify.get_sparsifier(name, seed=seed)
     if k is not None:
         return sparsify.get_sparsifier(name, k=k, seed=seed)
     return sparsify.get_sparsifier(name, density=density, seed=seed)
@@ -60,6 +62,8 @@ def check_count(sparsifier: Sparsifier, flat: torch.Tensor, indices: torch.Tenso
     if sparsifier.name == "threshold":
         expected = torch.nonzero(flat.double().abs() >= sparsifier.threshold).view(-1)
         assert torch.equal(indices.cpu(), expected.cpu()), sparsifier
+    if sparsifier.name == "nonzero":
+        assert torch.equal(indices.cpu(), torch.nonzero(flat.cpu().double() != 0).view(-1)), sparsifier
 
 
 def check_determinism(name: str, device: str) -> None:
@@ -86,7 +90,7 @@ def check_edge_sizes(name: str, device: str) -> None:
         indices = sparsifier.select(flat)
         check_indices(indices, flat)
         check_count(sparsifier, flat, indices)
-    if name != "threshold":
+    if name not in ("threshold", "nonzero"):
         flat = random_flat(1000, device=device)
         everything = torch.arange(1000, device=device)
         assert torch.equal(make(name, density=1.0).select(flat), everything)

@@ -1,11 +1,18 @@
 """``gradwire bench codecs``: bits per index and per value, and speed, of every codec.
 
-Two sources of sparse gradients:
+Sources of sparse gradients:
 
 * ``synthetic``: n = 2**24 (``--numel``) positions, k = density * n chosen uniformly at random,
   values ~ N(0, 1e-3**2);
 * ``mnist``: the gradient of the project's small CNN after a few SGD steps on MNIST-5k, top-k by
-  magnitude at each density (the real distribution of positions and values).
+  magnitude at each density (the real distribution of positions and values);
+* ``lstm``: the 3.6M-parameter LSTM language model's gradient (see :mod:`.codec_workloads`),
+  top-k of the whole gradient at each density as above, and also the layer-wise top-10%
+  table of codec *pairs* (relative volume next to DeepReduce's published figures);
+* ``embedding``: an embedding-heavy model's gradient, sent exactly with the ``nonzero``
+  sparsifier: bytes per index codec against the non-zero rows' raw size;
+* ``curvefit``: ``polyfit``/``dexp`` on k = 2**16 .. 2**22 values against float16;
+* ``lossless``: ``ans`` against byte-shuffle + zstd/deflate on float16/bfloat16/float32 values.
 
 For each index codec: bits per index, the information bound log2(C(n, k)) / k, the ratio to
 it, bytes vs the COO int32 baseline, encode and decode throughput in GB/s of the dense float32
@@ -28,19 +35,25 @@ import torch
 from .. import codecs
 from ..codecs.base import index_codec_classes, value_codec_classes
 from ..tables import format_table
+from . import codec_workloads
 from .table import progress
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
+SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
-    parser.add_argument("--sources", default="synthetic,mnist", help="comma-separated: synthetic, mnist")
+    parser.add_argument("--sources", default=",".join(SOURCES),
+                        help="comma-separated: " + ", ".join(SOURCES))
+    parser.add_argument("--lstm-density", type=float, default=0.1, help="layer-wise density of the LSTM pairs table")
     parser.add_argument("--index-codecs", default="all", help="comma-separated names or 'all'")
     parser.add_argument("--value-codecs", default="all", help="comma-separated names or 'all'")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the best is kept")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time, or this process's CPU time (with --threads 1: an idle core's time on a loaded machine)")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
 
 
@@ -51,12 +64,18 @@ def information_bound_bits(numel: int, k: int) -> float:
     return (math.lgamma(numel + 1) - math.lgamma(k + 1) - math.lgamma(numel - k + 1)) / math.log(2)
 
 
+#: ``--clock cpu`` times with the process's CPU time: on a shared, loaded machine that is close
+#: to what an idle core would take (run with ``--threads 1``), where wall time is not.
+_CLOCK = {"clock": time.perf_counter}
+
+
 def _best_time(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     best, result = math.inf, None
+    clock = _CLOCK["clock"]
     for _ in range(max(1, repeats)):
-        start = time.perf_counter()
+        start = clock()
         result = run()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best, result
 
 
@@ -123,8 +142,17 @@ def measure_index_codec(name: str, indices: np.ndarray, numel: int, repeats: int
     return row
 
 
+#: Option variants measured beside the defaults (``--value-codecs all``, or naming the label).
+VALUE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qsgd-ans max s=4": ("qsgd-ans", {"norm": "max", "levels": 4}),
+    "qsgd-ans range s=1 nearest": ("qsgd-ans", {"norm": "range", "levels": 1, "rounding": "nearest"}),
+    "zstd level 19": ("zstd", {"level": 19}),
+}
+
+
 def measure_value_codec(name: str, values: torch.Tensor, numel: int, repeats: int) -> dict[str, Any]:
-    codec = codecs.get_value_codec(name)
+    base, options = VALUE_VARIANTS.get(name, (name, {}))
+    codec = codecs.get_value_codec(base, **options)
     k = values.numel()
     encode_seconds, data = _best_time(lambda: codec.encode(values), repeats)
     view = memoryview(data)
@@ -158,19 +186,30 @@ def _names(option: str, available: list[str], what: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    _CLOCK["clock"] = time.process_time if args.clock == "cpu" else time.perf_counter
     densities = [float(d) for d in args.densities.split(",")]
     if any(not 0 < d <= 1 for d in densities):
         raise ValueError(f"--densities={args.densities!r}: each must be in (0, 1]")
     sources = [s.strip() for s in args.sources.split(",")]
-    bad = [s for s in sources if s not in ("synthetic", "mnist")]
+    bad = [s for s in sources if s not in SOURCES]
     if bad:
-        raise ValueError(f"--sources: unknown {', '.join(bad)}; allowed: synthetic, mnist")
+        raise ValueError(f"--sources: unknown {', '.join(bad)}; allowed: {', '.join(SOURCES)}")
+    if not 0 < args.lstm_density <= 1:
+        raise ValueError(f"--lstm-density={args.lstm_density}: must be in (0, 1]")
     index_names = _names(args.index_codecs, sorted(index_codec_classes()), "index-codecs")
-    value_names = _names(args.value_codecs, sorted(value_codec_classes()), "value-codecs")
-    gradient = mnist_gradient() if "mnist" in sources else None
+    value_names = _names(args.value_codecs, sorted(value_codec_classes()) + list(VALUE_VARIANTS), "value-codecs")
+    gradients = {}
+    if "mnist" in sources:
+        gradients["mnist"] = mnist_gradient()
+    lstm_parts = None
+    if "lstm" in sources:
+        lstm_parts = codec_workloads.lstm_gradient()
+        gradients["lstm"] = torch.cat([g.reshape(-1) for _, g in lstm_parts])
 
     cases = []
     for source in sources:
+        if source in ("embedding", "curvefit", "lossless"):
+            continue
         for density in densities:
             cases.append((source, density))
     rows: list[dict[str, Any]] = []
@@ -181,9 +220,8 @@ def run(args: argparse.Namespace) -> int:
                 numel = args.numel
                 indices, values = synthetic_gradient(numel, density)
             else:
-                assert gradient is not None
-                numel = gradient.numel()
-                indices, values = top_k_of(gradient, density)
+                numel = gradients[source].numel()
+                indices, values = top_k_of(gradients[source], density)
             common = {"source": source, "numel": numel, "density": density, "k": int(indices.size)}
             for name in index_names:
                 bar.set_postfix_str(f"{source} {density} index {name}")
@@ -195,14 +233,28 @@ def run(args: argparse.Namespace) -> int:
                 bar.update()
 
     print_tables(rows)
+    extra: dict[str, Any] = {}
+    if lstm_parts is not None:
+        extra["lstm_pairs"] = codec_workloads.lstm_rows(lstm_parts, args.lstm_density)
+        print_lstm_pairs(extra["lstm_pairs"], args.lstm_density, sum(g.numel() for _, g in lstm_parts))
+    if "embedding" in sources:
+        extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(codec_workloads.embedding_gradient())
+        print_embedding(extra["embedding"], extra["embedding_info"])
+    if "curvefit" in sources:
+        extra["curvefit"] = codec_workloads.curvefit_rows()
+        print_curvefit(extra["curvefit"])
+    if "lossless" in sources:
+        extra["lossless"] = codec_workloads.lossless_rows(repeats=args.repeats)
+        print_lossless(extra["lossless"])
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows}, handle, indent=1)
+            json.dump({"torch_threads": torch.get_num_threads(), "rows": rows, **extra}, handle, indent=1)
         print(f"\nwrote {args.json}")
     return 0
 
 
-def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+def print_tables(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     for (source, density), group in _grouped(rows).items():
         first = group[0]
         print(f"\n{source}: numel={first['numel']:,} density={density:g} k={first['k']:,}", file=out)
@@ -222,6 +274,46 @@ def print_tables(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                 [[r["codec"], f"{r['bits_per_value']:.2f}", f"{r['bytes_vs_fp32']:.3f}",
                   f"{r['relative_l2_error']:.2e}", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}"]
                  for r in value_rows]), file=out)
+
+
+def print_lstm_pairs(rows: list[dict[str, Any]], density: float, numel: int, out: Any = None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
+    print(f"\nlstm LM ({numel:,} parameters), top-{100 * density:g}% layer-wise, one payload per parameter: "
+          "relative volume = bytes / dense fp32", file=out)
+    print(format_table(
+        ["index + values", "bytes", "relative volume", "rel L2 err of sent values", "DeepReduce (paper, its LSTM)"],
+        [[r["pair"], f"{r['bytes']:,}", f"{r['relative_volume']:.4f}", f"{r['relative_l2_error']:.3g}",
+          r["deepreduce"]] for r in rows]), file=out)
+
+
+def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
+    print(f"\nembedding-heavy model, nonzero sparsifier + fp32 values: {info['nonzeros']:,} non-zeros, "
+          f"non-zero rows raw {info['nonzero_row_bytes']:,} B, dense {info['dense_bytes']:,} B", file=out)
+    print(format_table(
+        ["index codec", "bytes (per layer)", "x rows raw", "bytes (joined)", "x rows raw", "bit-exact"],
+        [[r["index_codec"], f"{r['layerwise_bytes']:,}", f"{r['layerwise_vs_rows']:.4f}", f"{r['joined_bytes']:,}",
+          f"{r['joined_vs_rows']:.4f}", "yes" if r["exact"] else "NO"] for r in rows]), file=out)
+
+
+def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout
+    print("\ncurve fits at large k, tolerance 0.05 (stated bound: max error <= 0.05 max|v|), N(0, 1e-3^2) values; "
+          "layout 0 plain, 1 fitted, 2 levels", file=out)
+    print(format_table(
+        ["k", "codec", "bits/value", "max err / max|v|", "layout", "enc s", "dec s"],
+        [[f"2^{r['k'].bit_length() - 1}", r["codec"], f"{r['bits_per_value']:.3f}", f"{r['max_error_vs_peak']:.4f}",
+          "" if r["layout"] < 0 else str(r["layout"]), f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}"]
+         for r in rows]), file=out)
+
+
+def print_lossless(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out if out is not None else sys.stdout
+    print("\nlossless value codecs, k = 167,772 values (GB/s of the dense gradient at 1% density)", file=out)
+    print(format_table(
+        ["values", "dtype", "codec", "bits/value", "enc GB/s", "dec GB/s"],
+        [[r["data"], r["dtype"], r["codec"], f"{r['bits_per_value']:.3f}", f"{r['encode_gbps']:.2f}",
+          f"{r['decode_gbps']:.2f}"] for r in rows]), file=out)
 
 
 def _grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:

@@ -26,7 +26,8 @@ Bound (guaranteed, checked by the encoder on the exact decoded values)::
     |decoded - v| <= tolerance * max|v|        for every element
 
 Cost: as ``polyfit`` with 16 bytes per fitted segment; the permutation (ceil(log2 k) bits per
-value) dominates, and plain float16 is sent whenever it is smaller and meets the tolerance.
+value) dominates, and the levels layout or plain float16 is sent whenever it is smaller and
+meets the tolerance (``level_layout=False``: plain only).
 
 Non-finite input (NaN, +-Inf) raises ValueError.
 """
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from ..base import ValueCodec, register_value_codec
-from ._fit import Batch, CurveModel, check_tolerance, decode_fit, det_exp, encode_fit
+from ._fit import Batch, CurveModel, check_flag, check_tolerance, decode_fit, det_exp, encode_fit
 
 _MAX_RATE = 64.0
 _GRID_PHI = np.linspace(-math.asinh(_MAX_RATE), math.asinh(_MAX_RATE), 17)
@@ -196,14 +197,15 @@ class DoubleExpCodec(ValueCodec):
     wire_id = 8
     lossless = False
 
-    def __init__(self, *, tolerance: float = 0.05) -> None:
+    def __init__(self, *, tolerance: float = 0.05, level_layout: bool = True) -> None:
         self.tolerance = check_tolerance(tolerance)
+        self.level_layout = check_flag("level_layout", level_layout)
 
     def encode(self, values: torch.Tensor) -> bytes:
         return self.encode_with_reconstruction(values)[0]
 
     def encode_with_reconstruction(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        return encode_fit(values, DoubleExpModel(), self.tolerance)
+        return encode_fit(values, DoubleExpModel(), self.tolerance, allow_levels=self.level_layout)
 
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
         return decode_fit(data, count, dtype, _model_for)

@@ -13,10 +13,12 @@ Bound (guaranteed, checked by the encoder on the exact decoded values)::
     |decoded - v| <= tolerance * max|v|        for every element
 
 Cost: 1 + 2 + 1 + 4 header bytes, per segment bit_width(k) + 2 bits and 4 * (degree + 1) bytes
-(fitted) or its raw values, plus the permutation: ceil(log2 k) bits per value. Whenever sending
-every value raw (float16 / float32 / own dtype, within the tolerance) is smaller, that is sent
-instead -- always the case for k > 2**15 when float16 meets the tolerance, since the
-permutation alone then costs 16 bits per value or more. Encoding sorts the values and runs at
+(fitted) or its raw values, plus the permutation: ceil(log2 k) bits per value. Whenever the
+levels layout (each value as the nearest multiple of a step <= 2 * tolerance * max|v|,
+ANS-coded: about 3 bits per value at the default tolerance, at any k) or sending every value
+raw (float16 / float32 / own dtype, within the tolerance) is smaller, that is sent instead --
+the fitted layout wins only for small k at tight tolerances; ``level_layout=False`` restores
+the choice between fitted and raw alone. Encoding sorts the values and runs at
 most ~log2(k) batched refinement rounds, each a least-squares fit of the failing segments
 (O(elements * degree)); decoding is one Clenshaw pass and a gather.
 
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from ..base import ValueCodec, register_value_codec
-from ._fit import Batch, CurveModel, check_tolerance, decode_fit, encode_fit
+from ._fit import Batch, CurveModel, check_flag, check_tolerance, decode_fit, encode_fit
 
 MAX_DEGREE = 10
 
@@ -86,8 +88,9 @@ class PolyFitCodec(ValueCodec):
     wire_id = 7
     lossless = False
 
-    def __init__(self, *, tolerance: float = 0.05, degree: int = 3) -> None:
+    def __init__(self, *, tolerance: float = 0.05, degree: int = 3, level_layout: bool = True) -> None:
         self.tolerance = check_tolerance(tolerance)
+        self.level_layout = check_flag("level_layout", level_layout)
         if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or not 0 <= degree <= MAX_DEGREE:
             raise ValueError(f"degree={degree!r} is not supported; allowed: integers 0..{MAX_DEGREE}")
         self.degree = int(degree)
@@ -96,7 +99,7 @@ class PolyFitCodec(ValueCodec):
         return self.encode_with_reconstruction(values)[0]
 
     def encode_with_reconstruction(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        return encode_fit(values, ChebyshevModel(self.degree + 1), self.tolerance)
+        return encode_fit(values, ChebyshevModel(self.degree + 1), self.tolerance, allow_levels=self.level_layout)
 
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
         return decode_fit(data, count, dtype, _model_for)
