@@ -21,7 +21,7 @@ def test_every_compared_option_reaches_the_description() -> None:
     changes = {"compressor": "sampled-topk", "density": 0.1, "value_codec": "fp16", "index_codec": "rice",
                "codec_options": {"degree": 2}, "error_feedback": False, "momentum_correction": 0.9,
                "scope": "global", "collective": "allgather", "hierarchy": 2, "seed": 7, "warmup_steps": 3,
-               "nonfinite": "skip", "verify": "none"}
+               "nonfinite": "skip", "verify": "none", "link_gbit": 10.0, "link_alpha": 1e-5}
     compared = {f.name for f in dataclasses.fields(HookConfig) if not f.metadata.get("rank_local")}
     assert compared - {"k", "threshold"} == set(changes)
     for name, value in changes.items():
