@@ -55,6 +55,10 @@ def _scenarios(rank: int, world_size: int, group: dist.ProcessGroup) -> dict:
     vals = torch.rand(idx.numel(), generator=g) * 0.1
     vals[idx >= equal[-2]] += 10.0
     out["hot"] = _run(idx, vals, NUMEL, 50, equal, group=group)
+    # balancing follows the selections: all of them in the last tenth of the space
+    idx = torch.randperm(NUMEL // 10, generator=g)[:50].sort().values + NUMEL - NUMEL // 10
+    out["crowded"] = _run(idx, torch.randn(50, generator=g), NUMEL, 50, balanced_boundaries(idx, NUMEL, group),
+                          group=group)
     # empty contributions on rank 0 (and the last rank when p > 2)
     idx = torch.empty(0, dtype=torch.int64) if rank in (0, max(world_size - 1, 2)) else _topk(x, 40)
     out["empty"] = _run(idx, x[idx], NUMEL, 50, equal, group=group)
@@ -143,6 +147,12 @@ def test_sparse_allreduce_on_gloo(every_size: list[dict], world_size: int) -> No
     assert random.numel() == 100  # regions of <= 256 reduced entries: the summary is exact
     hot = _check_exchange([r["hot"] for r in results], NUMEL, world_size)
     assert hot.numel() == 50 and bool((hot >= equal_boundaries(NUMEL, world_size)[-2]).all())
+    crowded = [r["crowded"] for r in results]
+    _check_exchange(crowded, NUMEL, world_size)
+    cuts = crowded[0]["boundaries"][1:-1]
+    assert all(c >= NUMEL - NUMEL // 10 for c in cuts)  # equal regions would leave p-1 owners idle
+    per_region = [r["sent"]["allgather"] // (8 * (world_size - 1)) for r in crowded]
+    assert max(per_region) <= 2 * 50 / world_size + 10, per_region
     empty = _check_exchange([r["empty"] for r in results], NUMEL, world_size)
     assert empty.numel() == min(50, int(_reference_sum([r["empty"] for r in results], NUMEL)[1].sum()))
     assert [r["empty"]["sent"]["reduce-scatter"] for r in results][0] == 0
