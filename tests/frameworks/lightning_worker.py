@@ -1,15 +1,13 @@
 """Under torchrun: the README's Lightning example, then a checkpoint and a resume that must give
 every rank its own residuals back."""
 
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, "examples")  # noqa: E402 (run from the repository root or with it on PYTHONPATH)
-from examples.lightning_ddp import main  # noqa: E402
-from gradwire.integrations._common import HookNeverRanWarning  # noqa: E402
-from tests.frameworks.launch import write_result  # noqa: E402
+from examples.lightning_ddp import main
+from gradwire.integrations._common import HookNeverRanWarning
+from tests.frameworks.launch import write_result
 
 trainer, model, strategy = main(root="run", max_steps=6)
 stats = strategy.hook_state.stats()
