@@ -5,8 +5,6 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
-import gradwire.integrations.accelerate as gradwire_accelerate
-
 
 def main(folder: str = "accelerate-run", steps: int = 6, resume: "str | None" = None):
     torch.manual_seed(0)
@@ -14,6 +12,9 @@ def main(folder: str = "accelerate-run", steps: int = 6, resume: "str | None" = 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(512, 32), torch.randint(0, 4, (512,)))
+    # [readme: accelerate]
+    import gradwire.integrations.accelerate as gradwire_accelerate
+
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=16))
     state = gradwire_accelerate.register(accelerator, model, compressor="topk", density=0.05,
                                          value_codec="fp16", index_codec="rice")
@@ -25,6 +26,7 @@ def main(folder: str = "accelerate-run", steps: int = 6, resume: "str | None" = 
             optimizer.step()
             optimizer.zero_grad()
     accelerator.save_state(folder)  # writes gradwire_hook_rank{r}.pt on every rank
+    # [/readme]
     if accelerator.is_main_process:
         stats = state.stats()
         print(f"gradwire: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "

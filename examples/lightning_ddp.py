@@ -5,8 +5,6 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradwire.integrations.lightning import GradwireDDPStrategy
-
 
 class Net(L.LightningModule):
     def __init__(self) -> None:
@@ -24,12 +22,16 @@ class Net(L.LightningModule):
 def main(root: str = "lightning-run", max_steps: int = 6, ckpt_path: "str | None" = None):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 32), torch.randint(0, 4, (512,)))
+    # [readme: Lightning]
+    from gradwire.integrations.lightning import GradwireDDPStrategy
+
     strategy = GradwireDDPStrategy(hook_options={"compressor": "topk", "density": 0.05,
                                                  "value_codec": "fp16", "index_codec": "rice"})
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                         default_root_dir=root, logger=False, enable_progress_bar=False)
     model = Net()
     trainer.fit(model, DataLoader(data, batch_size=16), ckpt_path=ckpt_path)  # checkpoints hold every rank's residuals
+    # [/readme]
     if trainer.is_global_zero:
         stats = strategy.hook_state.stats()
         print(f"gradwire: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "

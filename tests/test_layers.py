@@ -23,6 +23,7 @@ FORBIDDEN = {
     "checkpoint": {"codecs", "sparsify", "feedback", "exchange", "hook", "plain", "bucket_payload", "training", "cli",
                    "bench", "cluster", "lowrank", "integrations"},
     "integrations": {"cli", "bench", "cluster"},
+    "resume": {"cli", "bench", "cluster", "integrations"},
 }
 
 

@@ -1,6 +1,7 @@
-"""``gradwire train`` under ``torchrun --max-restarts``: one worker is killed with SIGKILL mid-run,
-torchrun restarts the job, it resumes from its last checkpoint with every rank's residuals and
-ends with the parameters of an uninterrupted run; the metrics hold every step exactly once."""
+"""``gradwire train`` under ``torchrun --max-restarts`` (the README's examples/torchrun.sh): one
+worker is killed with SIGKILL mid-run, torchrun restarts the job, it resumes from its last
+checkpoint with every rank's residuals and ends with the parameters of an uninterrupted run; the
+metrics hold every step exactly once."""
 
 from __future__ import annotations
 
@@ -23,16 +24,15 @@ from .launch import ROOT
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.distributed]
 
-METHOD = "topk:density=0.05,values=fp32,indices=rice"
+SCRIPT = ROOT / "examples" / "torchrun.sh"
+METHOD = "topk:density=0.01,values=fp16,indices=rice"  # the script's method
 STEPS_PER_EPOCH, EPOCHS, EVERY = 10, 3, 5  # synthetic: 64 batches of 16 per rank and epoch
 
 
-def _command(folder: Path, max_restarts: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.5",
-            "-m", "gradwire", "train", "--model", "cnn", "--data", "synthetic", "--method", METHOD,
-            "--epochs", str(EPOCHS), "--steps", str(STEPS_PER_EPOCH), "--batch-size", "16", "--no-eval",
-            "--out", str(folder / "out"), "--checkpoint-dir", str(folder / "ckpt"), "--checkpoint-every", str(EVERY)]
+def _command(folder: Path) -> list[str]:
+    return ["bash", str(SCRIPT), "--model", "cnn", "--data", "synthetic", "--epochs", str(EPOCHS),
+            "--steps", str(STEPS_PER_EPOCH), "--batch-size", "16", "--no-eval", "--out", str(folder / "out"),
+            "--checkpoint-every", str(EVERY)]  # the last --checkpoint-every wins over the script's
 
 
 def _children(pid: int) -> list[int]:
@@ -50,8 +50,10 @@ def _children(pid: int) -> list[int]:
 
 
 def _run(folder: Path, kill_after_step: int | None) -> tuple[str, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen(_command(folder, max_restarts=2 if kill_after_step else 0), cwd=folder, env=env,
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port()), CKPT=str(folder / "ckpt"), NODES="1", PROCS="2",
+               HEAD="127.0.0.1", PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(_command(folder), cwd=folder, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     killed: dict = {}
 
@@ -94,6 +96,7 @@ def _metrics(folder: Path) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_sigkilled_worker_restarts_and_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    assert f"--method {METHOD}" in SCRIPT.read_text()
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     straight.mkdir(), interrupted.mkdir()
     _run(straight, None)
