@@ -19,7 +19,11 @@ FORBIDDEN = {
     "bucket_payload": {"sparsify", "feedback", "exchange", "hook", "plain", "training", "cli", "bench"},
     "lowrank": {"codecs", "sparsify", "feedback", "exchange", "hook", "plain", "bucket_payload", "training", "cli",
                 "bench"},
-    "hook": {"training", "cli", "bench", "cluster", "lowrank"},
+    "hook": {"training", "cli", "bench", "cluster", "lowrank", "integrations"},
+    "checkpoint": {"codecs", "sparsify", "feedback", "exchange", "hook", "plain", "bucket_payload", "training", "cli",
+                   "bench", "cluster", "lowrank", "integrations"},
+    "integrations": {"cli", "bench", "cluster"},
+    "resume": {"cli", "bench", "cluster", "integrations"},
 }
 
 

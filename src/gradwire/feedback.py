@@ -131,3 +131,7 @@ class MomentumCorrection(ErrorFeedback):
     def clear(self, key: Hashable) -> None:
         super().clear(key)
         self.velocities.pop(key, None)
+
+    def load_velocities(self, velocities: dict[Hashable, torch.Tensor]) -> None:
+        """Restore checkpointed velocities (flat, already checked and on the gradients' device)."""
+        self.velocities = {key: value.clone() for key, value in velocities.items()}

@@ -28,13 +28,20 @@ class GradientExchange:
     must exchange the same tensors). Buckets of about ``bucket_cap_mb`` MiB are formed in
     reverse parameter order, as DDP does, and exchanged one after another.
     ``options`` are :class:`~gradwire.hook.CommHookState`'s keyword options.
+
+    As DDP does, the constructor copies rank 0's parameters and buffers to every rank
+    (``broadcast_parameters=True``; a collective, so every rank must construct it): ranks that
+    started from different weights would otherwise stay different, silently.
     """
 
     def __init__(self, model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
-                 *, bucket_cap_mb: float = 25.0, **options: Any) -> None:
+                 *, bucket_cap_mb: float = 25.0, broadcast_parameters: bool = True, **options: Any) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0")
         self.model = model
+        if broadcast_parameters and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size(process_group) > 1:
+            _broadcast_from_first_rank([*model.parameters(), *model.buffers()], process_group)
         self.state = CommHookState(process_group, model=model, **options)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         cap = bucket_cap_mb * 2**20
@@ -70,9 +77,26 @@ class GradientExchange:
     def stats(self) -> dict[str, float]:
         return self.state.stats()
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
+    def state_dict(self, gather: bool = False) -> dict[str, Any]:
+        """See :meth:`CommHookState.state_dict` (``gather=True`` is a collective)."""
+        return self.state.state_dict(gather=gather)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         device = self.parameters[0].device if self.parameters else "cpu"
         self.state.load_state_dict(state, device=device)
+
+
+def _broadcast_from_first_rank(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Overwrite ``tensors`` with group rank 0's values: one broadcast per (device, dtype)."""
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for same in kinds.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.broadcast(flat, src=root, group=group)
+            offset = 0
+            for tensor in same:
+                tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import resume
 from .exchange.cost import ring_allreduce_bytes
 from .methods import MethodSpec, parse_method
 from .workloads import Workload, build_workload
@@ -59,6 +60,10 @@ class TrainConfig:
     #: rank 0 prints one plain line per epoch on stderr (for logs and pipes, where a bar is noise)
     log_epochs: bool = False
     bucket_cap_mb: float = 25.0
+    #: save model, optimizer and every rank's hook state here every ``checkpoint_every`` steps
+    #: (and at the end), and resume from the latest on start (torchrun --max-restarts)
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "threads", "synthetic_size"):
@@ -69,8 +74,12 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be > 0")
+        resume.check_options(self.checkpoint_dir, self.checkpoint_every)
         for spec in self.methods:
-            parse_method(spec)
+            spec_parsed = parse_method(spec)
+            if self.checkpoint_dir and spec_parsed.pufferfish is not None:
+                raise ValueError(f"checkpoint_dir: {spec!r} changes the model mid-run (pufferfish), which checkpoints "
+                                 "do not cover yet")
 
 
 def _device() -> torch.device:
@@ -172,21 +181,31 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         raise ValueError(f"batch_size={config.batch_size} is larger than each worker's share of the training set "
                          f"({len(sampler)} examples): no step would run")
     total_steps = min(config.epochs * steps_per_epoch, config.max_steps or config.epochs * steps_per_epoch)
+    folder = os.path.join(config.checkpoint_dir, file_slug(spec_text)) if config.checkpoint_dir else None
+    start_step = resume.latest_step(folder) if folder else 0
+    if start_step:
+        resume.load(folder, start_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"], device=device)
+        if rank == 0:
+            print(f"gradwire: {spec_text}: resumed from the checkpoint of step {start_step}", file=sys.stderr, flush=True)
+    records: list[dict[str, Any]] = []
     metrics_file = None
     if config.out and rank == 0:
         os.makedirs(config.out, exist_ok=True)
-        metrics_file = open(os.path.join(config.out, f"metrics-{file_slug(spec_text)}.jsonl"), "w")
+        metrics_path = os.path.join(config.out, f"metrics-{file_slug(spec_text)}.jsonl")
+        if start_step:  # steps after the checkpoint ran before the failure: they run again now
+            records.extend(resume.trim_metrics(metrics_path, start_step))
+        metrics_file = open(metrics_path, "a" if start_step else "w")
     bar = None
     if config.progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_steps, desc=spec_text, leave=False, dynamic_ncols=True)
-    records: list[dict[str, Any]] = []
+        bar = tqdm(total=total_steps, initial=start_step, desc=spec_text, leave=False, dynamic_ncols=True)
     wall_start = time.perf_counter()
     status = "ok"
     try:
         ddp, optimizer = _loop(config, spec, workload, ddp, optimizer, warmup, holder, sampler, loader,
-                               steps_per_epoch, total_steps, records, metrics_file, bar, device, world)
+                               steps_per_epoch, total_steps, records, metrics_file, bar, device, world, start_step,
+                               folder)
     except Exception as error:  # DDP re-raises the hook's NonFiniteGradientError wrapped
         # the hook raises on every rank together when a gradient holds NaN/Inf: record the
         # divergence and go on with the next method instead of losing the whole comparison
@@ -225,21 +244,36 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
 
 def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, optimizer: Any, warmup: Any,
           holder: dict[str, Any], sampler: Any, loader: Any, steps_per_epoch: int, total_steps: int,
-          records: list[dict[str, Any]], metrics_file: Any, bar: Any, device: torch.device,
-          world: int) -> tuple[Any, Any]:
+          records: list[dict[str, Any]], metrics_file: Any, bar: Any, device: torch.device, world: int,
+          start_step: int = 0, folder: Optional[str] = None) -> tuple[Any, Any]:
     """The epochs of one method (at most ``total_steps`` steps); appends a record per step;
-    returns the final (model, optimizer)."""
+    returns the final (model, optimizer).
+
+    From ``start_step`` on (a resumed run): the batches before it are skipped in the order an
+    uninterrupted run sees them, so the data order does not change. With ``folder``, a
+    checkpoint every ``config.checkpoint_every`` steps and one at the end."""
     spec_text = spec.text
     global_step = 0
+    saved = start_step
     started = time.perf_counter()
+
+    def checkpoint() -> None:
+        resume.save(folder, global_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"])
+
     for epoch in range(config.epochs):
         if global_step >= total_steps:
             break
+        if global_step + steps_per_epoch <= start_step:  # a whole epoch done before the restart
+            global_step += steps_per_epoch
+            continue
         sampler.set_epoch(epoch)
         first_record = len(records)
         for step, (inputs, targets) in enumerate(loader):
             if step >= steps_per_epoch or global_step >= total_steps:
                 break
+            if global_step < start_step:
+                global_step += 1
+                continue
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -274,6 +308,11 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 bar.update()
                 bar.set_postfix(loss=f"{record['loss']:.3f}", epoch=epoch)
             global_step += 1
+            if folder and config.checkpoint_every and global_step % config.checkpoint_every == 0:
+                if metrics_file:
+                    metrics_file.flush()  # the records up to the checkpoint are on disk with it
+                checkpoint()
+                saved = global_step
         if config.log_epochs and dist.get_rank() == 0:
             losses = [r["loss"] for r in records[first_record:]]
             print(f"{spec_text}: epoch {epoch + 1}/{config.epochs}, step {global_step}/{total_steps}, "
@@ -281,6 +320,8 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                   file=sys.stderr, flush=True)
         if warmup is not None and warmup.step_epoch():
             ddp, optimizer = warmup.model, warmup.optimizer
+    if folder and saved != global_step:
+        checkpoint()
     return ddp, optimizer
 
 def run_rank(config: TrainConfig,

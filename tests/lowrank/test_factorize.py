@@ -99,7 +99,7 @@ def test_layer_without_savings_stays_full_rank() -> None:
 
 
 def test_model_without_candidates_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no Conv2d, Linear, LSTM or MultiheadAttention"):
+    with pytest.raises(ValueError, match="no Conv2d, Linear, HF Conv1D, LSTM or MultiheadAttention"):
         factorize(nn.Sequential(nn.ReLU(), nn.Flatten()))
     with pytest.raises(ValueError, match="keep_full"):
         factorize(small_net(), keep_full=["*"])

@@ -181,3 +181,11 @@ def test_transformer_encoder_with_nested_tensors_enabled_still_runs() -> None:
     # The fused path zeroes padded positions; compare the real tokens.
     torch.testing.assert_close(got[~padding], want[~padding])
     assert math.isfinite(float(got[~padding].sum()))
+
+
+def test_low_rank_conv_keeps_the_dense_layers_attributes() -> None:
+    dense = nn.Conv2d(8, 16, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2), padding_mode="reflect")
+    low = LowRankConv2d.from_dense(dense, 0.5)
+    for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "padding_mode",
+                 "groups"):
+        assert getattr(low, name) == getattr(dense, name), name

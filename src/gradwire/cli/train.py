@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="write metrics-*.jsonl (every step) and summary.json (after every method) here")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="save model, optimizer and every rank's hook state here (and resume from the latest "
+                             "on start, e.g. after a torchrun --max-restarts restart)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="with --checkpoint-dir: also every N steps (default: only at the end)")
     parser.add_argument("--cluster", action="store_true",
                         help="run each worker in its own network namespace behind rate-limited links (root): the "
                              "cluster that `gradwire cluster up` made if one is up, else a temporary one")
@@ -89,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         warmup_steps=args.warmup_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads,
         evaluate=not args.no_eval, compute_only=args.compute_only, out=args.out,
         progress=interactive, log_epochs=not interactive,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
     )
     try:
         config.validate()
@@ -291,12 +297,13 @@ def _run_under_torchrun(config: Any) -> Optional[list[dict[str, Any]]]:
     import torch
     import torch.distributed as dist
 
+    from ..resume import init_process_group
     from ..training import run_rank
 
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    init_process_group("nccl" if use_cuda else "gloo")  # a store prefix per torchrun restart
     try:
         summaries = run_rank(config)
         return summaries if dist.get_rank() == 0 else None

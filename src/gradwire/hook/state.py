@@ -15,6 +15,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import checkpoint
 from ..exchange import check_same_on_all_ranks, ring_allreduce_bytes
 from ..exchange.alphabeta import Link
 from ..exchange.collectives import world_size_of
@@ -111,6 +112,7 @@ class CommHookState:
         self._choices: dict[tuple[int, ...], str] = {}
         self._names: dict[Hashable, str] = {}
         self._param_index: dict[Hashable, int] = {}
+        self._specs: dict[str, checkpoint.ParameterSpec] = {}
         if model is not None:
             self.attach(model)
 
@@ -127,6 +129,7 @@ class CommHookState:
         for index, (name, parameter) in enumerate(model.named_parameters()):
             self._names[id(parameter)] = name
             self._param_index[id(parameter)] = index
+        self._specs = checkpoint.parameter_specs(model)
 
     def stats(self) -> dict[str, float]:
         """Last step's and cumulative bytes and seconds; see :class:`gradwire.stats.ExchangeStats`."""
@@ -138,34 +141,46 @@ class CommHookState:
         """A canonical string of every option that must match across ranks."""
         return self.config.describe()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Residuals (and DGC velocities) by parameter name, and the iteration counter."""
+    def state_dict(self, gather: bool = False) -> dict[str, Any]:
+        """This rank's residuals (and DGC velocities) by parameter name, the iteration counter,
+        and whose state it is (rank, world size, options); see :mod:`gradwire.checkpoint`.
+
+        ``gather=True`` is a collective for frameworks that save from rank 0 only: call it on
+        every rank; rank 0's dict holds every rank's state, and loading it on every rank gives
+        each rank its own.
+        """
         if self.feedback is not None and self.feedback.residuals and not self._names:
             raise ValueError("state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
-        out: dict[str, Any] = {"iteration": self.iteration, "config": self.describe()}
+        residuals = velocities = None
         if self.feedback is not None:
-            out["residuals"] = self.feedback.state_dict(self._names)
+            residuals = self.feedback.state_dict(self._names)
             if isinstance(self.feedback, MomentumCorrection):
-                out["velocities"] = {self._names[k]: v.detach().cpu().clone() for k, v in self.feedback.velocities.items()}
-        return out
+                velocities = {self._names[k]: v for k, v in self.feedback.velocities.items() if k in self._names}
+        world = world_size_of(self.process_group)
+        local = checkpoint.build_state(rank=self._rank(), world_size=world, config=self.describe(),
+                                       iteration=self.iteration, residuals=residuals, velocities=velocities)
+        return checkpoint.gather_state(local, self._specs, self.process_group) if gather else local
 
     def load_state_dict(self, state: dict[str, Any], device: "torch.device | str" = "cpu") -> None:
-        """Restore :meth:`state_dict` output (tensors moved to ``device``, the gradients' device)."""
-        if state.get("config") not in (None, self.describe()):
-            raise ValueError(f"checkpoint was made with other options: {state['config']!r}")
+        """Restore :meth:`state_dict` output, this rank's own or the gathered form (tensors moved to
+        ``device``, the gradients' device). Raises ``ValueError`` for another rank's state, another
+        world size, other options, or tensors that do not fit the model (nothing is changed then)."""
         if not self._names:
             raise ValueError("load_state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
+        kinds = () if self.feedback is None else \
+            ("residuals", "velocities") if isinstance(self.feedback, MomentumCorrection) else ("residuals",)
+        mine = checkpoint.select_state(state, rank=self._rank(), world_size=world_size_of(self.process_group),
+                                       config=self.describe(), specs=self._specs, kinds=kinds)
         keys = {name: key for key, name in self._names.items()}
-        unknown = sorted(set(state.get("residuals", {})) - set(keys))
-        if unknown:
-            raise ValueError(f"checkpoint names parameters this model lacks: {', '.join(unknown[:5])}")
-        self.iteration = int(state["iteration"])
+        self.iteration = mine.iteration
         self._reset_exchange()  # every rank restarts from the same point
         if self.feedback is not None:
-            device_of = {keys[n]: torch.device(device) for n in state.get("residuals", {})}
-            self.feedback.load_state_dict(state.get("residuals", {}), keys, device_of)
+            self.feedback.load_state_dict(mine.residuals, keys, {keys[n]: torch.device(device) for n in mine.residuals})
             if isinstance(self.feedback, MomentumCorrection):
-                self.feedback.velocities = {keys[n]: t.to(device).clone() for n, t in state.get("velocities", {}).items()}
+                self.feedback.load_velocities({keys[n]: t.to(device) for n, t in mine.velocities.items()})
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if world_size_of(self.process_group) > 1 else 0
 
     def __getstate__(self) -> dict[str, Any]:
         # process groups cannot be pickled (as PyTorch's PowerSGDState does, drop it); neither

@@ -4,6 +4,8 @@ Covered layers and their replacements (see :mod:`gradwire.lowrank.layers`):
 
 * ``nn.Conv2d`` (groups=1) -> :class:`LowRankConv2d` (k x k conv to r channels, 1x1 conv back);
 * ``nn.Linear`` -> :class:`LowRankLinear`;
+* Hugging Face's ``Conv1D`` (GPT-2; a Linear with its weight stored transposed) ->
+  :class:`LowRankConv1D` (recognized without importing transformers);
 * ``nn.LSTM`` (no proj_size) -> :class:`LowRankLSTM` (all 8 gate matrices per layer factorized);
 * ``nn.MultiheadAttention`` (no bias_k/add_zero_attn) -> :class:`LowRankMultiheadAttention`
   (Q, K, V and output projections). A ``nn.TransformerEncoderLayer`` is thereby covered whole:
@@ -25,7 +27,7 @@ from typing import Iterable
 
 from torch import nn
 
-from .layers import LowRankConv2d, LowRankLinear, LowRankLSTM, LowRankMultiheadAttention
+from .layers import LowRankConv1D, LowRankConv2d, LowRankLinear, LowRankLSTM, LowRankMultiheadAttention
 
 #: Dense layer type -> its low-rank replacement. Checked in order (subclasses match too).
 REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {
@@ -34,7 +36,23 @@ REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {
     nn.LSTM: LowRankLSTM,
     nn.MultiheadAttention: LowRankMultiheadAttention,
 }
-LOW_RANK_TYPES = tuple(REPLACEMENTS.values())
+LOW_RANK_TYPES = (*REPLACEMENTS.values(), LowRankConv1D)
+#: Layer types that hold most of a model's weights but have no low-rank form here, and why.
+NOT_FACTORIZED = {
+    "Embedding": "a lookup table (factorizing it saves no gradient bytes per looked-up row)",
+    "EmbeddingBag": "a lookup table",
+    "Conv1d": "no low-rank Conv1d here",
+    "Conv3d": "no low-rank Conv3d here",
+    "ConvTranspose2d": "no low-rank transposed conv here",
+    "GRU": "no low-rank GRU here",
+    "RNN": "no low-rank RNN here",
+}
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (a Linear with weight (in, out))."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers") \
+        and getattr(module, "weight", None) is not None and module.weight.dim() == 2
 
 
 @dataclass(frozen=True)
@@ -124,9 +142,7 @@ def factorize(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[s
         else:
             root = replacement
     if not any(decision.factorized for decision in decisions):
-        kept = ", ".join(f"{d.name or '<model>'}: {d.reason}" for d in decisions[:6])
-        raise ValueError(f"factorize: no layer was factorized ({kept}{', ...' if len(decisions) > 6 else ''}); "
-                         "loosen keep_full (keep_full=() factorizes every layer), min_params or rank_ratio")
+        raise ValueError(_nothing_factorized(root, decisions))
     _disable_nested_tensor(root)
     root.lowrank_decisions = tuple(decisions)
     return root
@@ -143,7 +159,8 @@ def check_options(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterab
         raise ValueError("factorize: pass the wrapped model (ddp.module), or use lowrank.Warmup, which re-wraps it")
     candidates = find_candidates(model)
     if not candidates:
-        raise ValueError("factorize: the model has no Conv2d, Linear, LSTM or MultiheadAttention layer to factorize")
+        raise ValueError("factorize: the model has no Conv2d, Linear, HF Conv1D, LSTM or MultiheadAttention layer to "
+                         f"factorize{_skipped_types(model, [])}")
     _keep_full_patterns(model, keep_full, candidates)
 
 
@@ -161,7 +178,7 @@ def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
         inside = None
         if isinstance(module, LOW_RANK_TYPES):
             inside = name
-        elif isinstance(module, tuple(REPLACEMENTS)):
+        elif isinstance(module, tuple(REPLACEMENTS)) or is_hf_conv1d(module):
             candidates.append((name, module))
             inside = name
     return candidates
@@ -209,6 +226,8 @@ def _reason_to_keep(name: str, module: nn.Module, patterns: list[str], min_param
 
 
 def _low_rank(module: nn.Module, rank_ratio: float, extra_bn: bool) -> nn.Module:
+    if is_hf_conv1d(module):
+        return LowRankConv1D.from_dense(module, rank_ratio)
     for dense_type, low_rank_type in REPLACEMENTS.items():
         if isinstance(module, dense_type):
             if low_rank_type is LowRankConv2d:
@@ -244,3 +263,38 @@ def _shape(module: nn.Module) -> tuple[int, ...]:
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:
     return "/".join(map(str, ranks))
+
+
+def _nothing_factorized(root: nn.Module, decisions: list[LayerDecision]) -> str:
+    """The error of a model in which no layer was factorized: every kept layer's type and reason
+    (grouped), the layer types that are no candidates at all, and only the advice that can help."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for decision in decisions:
+        reason = decision.reason.split(" (")[0] if decision.reason.startswith("min_params") else decision.reason
+        groups.setdefault((decision.kind, reason), []).append(decision.name or "<model>")
+    kept = "; ".join(f"{kind} x{len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): {reason}"
+                     for (kind, reason), names in groups.items())
+    advice = []
+    reasons = " ".join(d.reason for d in decisions)
+    if "keep_full" in reasons:
+        advice.append("keep_full=() factorizes every candidate")
+    if "min_params" in reasons:
+        advice.append("lower min_params")
+    if "no parameter savings" in reasons:
+        advice.append("lower rank_ratio (or require_savings=False)")
+    hint = f"; {', '.join(advice)}" if advice else "; none of these can be factorized by changing the options"
+    return f"factorize: no layer was factorized. Kept: {kept}{_skipped_types(root, decisions)}{hint}"
+
+
+def _skipped_types(root: nn.Module, decisions: list[LayerDecision]) -> str:
+    """``; not candidates: Embedding x2 (a lookup table), ...`` for weight-holding layer types
+    factorize has no replacement for (empty when there are none)."""
+    covered = {d.name for d in decisions}
+    counts: dict[str, int] = {}
+    for name, module in root.named_modules():
+        kind = type(module).__name__
+        if kind in NOT_FACTORIZED and name not in covered:
+            counts[kind] = counts.get(kind, 0) + 1
+    if not counts:
+        return ""
+    return "; not candidates: " + ", ".join(f"{kind} x{n} ({NOT_FACTORIZED[kind]})" for kind, n in counts.items())

@@ -112,11 +112,36 @@ class LowRankLinear(nn.Module):
         return self.second(self.first(x))
 
 
+class LowRankConv1D(LowRankLinear):
+    """Replacement of Hugging Face's ``Conv1D`` (GPT-2 and relatives): a Linear whose weight is
+    stored transposed, (nx, nf) = (in, out). The pair computes the same ``x (..., nx) -> (..., nf)``;
+    ``nx`` and ``nf`` are kept for code that reads them."""
+
+    @property
+    def nx(self) -> int:
+        return self.in_features
+
+    @property
+    def nf(self) -> int:
+        return self.out_features
+
+    @classmethod
+    def from_dense(cls, conv1d: nn.Module, rank_ratio: float) -> "LowRankConv1D":
+        nx, nf = conv1d.weight.shape
+        return cls.from_weight(conv1d.weight.t(), conv1d.bias, rank_for(min(nx, nf), rank_ratio))
+
+
 class LowRankConv2d(nn.Module):
     """``(N, C_in, H, W) -> (N, C_out, H', W')``: a k x k conv to ``rank`` channels (same
     stride, padding, dilation, padding mode; no bias), then a 1x1 conv to ``C_out`` with the
     original bias. ``extra_bn=True`` puts a ``BatchNorm2d(rank)`` between the two.
+
+    The dense layer's attributes stay readable (``stride``, ``padding``, ``dilation``,
+    ``kernel_size``, ``padding_mode``, ``groups``, ``in_channels``, ``out_channels``): code written
+    for ``nn.Conv2d`` (e.g. Hugging Face's MobileNetV2 "same" padding) reads them.
     """
+
+    groups = 1
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: tuple[int, int], rank: int, *,
                  stride: tuple[int, int] = (1, 1), padding: "tuple[int, int] | str" = (0, 0),
@@ -146,6 +171,26 @@ class LowRankConv2d(nn.Module):
         if conv.bias is not None:
             _copy_(module.second.bias, conv.bias, conv.bias.requires_grad)
         return module
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.first.stride
+
+    @property
+    def padding(self) -> "tuple[int, ...] | str":
+        return self.first.padding
+
+    @property
+    def dilation(self) -> tuple[int, ...]:
+        return self.first.dilation
+
+    @property
+    def kernel_size(self) -> tuple[int, ...]:
+        return self.first.kernel_size
+
+    @property
+    def padding_mode(self) -> str:
+        return self.first.padding_mode
 
     @property
     def ranks(self) -> tuple[int, ...]:

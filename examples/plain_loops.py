@@ -1,0 +1,58 @@
+"""gradwire in a plain DDP script and in a custom loop without DDP, on 2 CPU processes:
+``torchrun --nproc_per_node 2 examples/plain_loops.py``."""
+
+import torch
+import torch.distributed as dist
+
+import gradwire
+
+
+def data(steps: int):
+    generator = torch.Generator().manual_seed(dist.get_rank())  # each rank its own batches
+    return [(torch.randn(16, 32, generator=generator), torch.randint(0, 4, (16,), generator=generator))
+            for _ in range(steps)]
+
+
+def plain_ddp(steps: int = 5):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    # [readme: plain DDP]
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp_model = DDP(model)
+    state = gradwire.CommHookState(compressor="topk", density=0.05, value_codec="fp16", index_codec="rice",
+                                   model=ddp_model)
+    ddp_model.register_comm_hook(state, gradwire.comm_hook)  # the one added line
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    for inputs, targets in data(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp_model(inputs), targets).backward()
+        optimizer.step()
+    torch.save(state.state_dict(), f"hook-rank{dist.get_rank()}.pt")  # each rank its own residuals
+    # [/readme]
+    return model, state
+
+
+def custom_loop(steps: int = 5):
+    torch.manual_seed(dist.get_rank())  # different initial weights: the exchange starts from rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    # [readme: custom loop]
+    exchange = gradwire.GradientExchange(model, compressor="topk", density=0.05)  # copies rank 0's weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for inputs, targets in data(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        exchange.synchronize()  # every .grad is now the compressed average over ranks
+        optimizer.step()
+    # [/readme]
+    return model, exchange.state
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    for run in (plain_ddp, custom_loop):
+        model, state = run()
+        stats = state.stats()
+        print(f"gradwire {run.__name__}: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
+              f"instead of {stats['total_bytes_dense']:.0f}")
+    dist.destroy_process_group()

@@ -1,0 +1,134 @@
+"""Periodic checkpoints of ``gradwire train``, so that a job restarted by ``torchrun
+--max-restarts`` goes on from its last one instead of from step 0.
+
+Layout, per method (``folder = <checkpoint_dir>/<method slug>``)::
+
+    folder/step-000040/rank0.pt, rank1.pt, ...    every rank's own file: model, optimizer, RNG,
+                                                  and its own gradwire hook state (residuals)
+    folder/step-000040/COMPLETE                   written by rank 0 once every rank's file is on disk
+
+Every rank writes its own file (no gather: a node-local folder works as long as ranks keep their
+node), then a barrier, then rank 0 marks the step complete and drops all but the last two. On
+start, rank 0 finds the latest complete step and broadcasts it, so every rank resumes from the
+same step. Files are read with ``torch.load(weights_only=True)``; a hook state saved by another
+rank or world size is refused (see :mod:`gradwire.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import datetime
+
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+KEEP = 2
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def _step_folder(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step:06d}")
+
+
+def _complete_steps(folder: str) -> list[int]:
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        match = _STEP.match(name)
+        if match and os.path.exists(os.path.join(folder, name, COMPLETE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_step(folder: str) -> int:
+    """Collective: the latest complete checkpoint step in ``folder`` as rank 0 sees it (0: none)."""
+    found = torch.tensor([(_complete_steps(folder) or [0])[-1] if dist.get_rank() == 0 else 0], dtype=torch.int64)
+    dist.broadcast(found, 0)
+    return int(found)
+
+
+def save(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         hook_state: Any) -> None:
+    """Collective: every rank writes its file for ``step``, then rank 0 marks it complete."""
+    rank = dist.get_rank()
+    target = _step_folder(folder, step)
+    os.makedirs(target, exist_ok=True)
+    payload = {"step": step, "rank": rank, "world_size": dist.get_world_size(), "model": model.state_dict(),
+               "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+               "hook": hook_state.state_dict() if hook_state is not None else None}
+    temporary = os.path.join(target, f".rank{rank}.pt.tmp")
+    torch.save(payload, temporary)
+    os.replace(temporary, os.path.join(target, f"rank{rank}.pt"))  # a killed writer leaves no half file
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(target, COMPLETE), "w") as handle:
+            handle.write(f"{dist.get_world_size()}\n")
+        for old in _complete_steps(folder)[:-KEEP]:
+            shutil.rmtree(_step_folder(folder, old), ignore_errors=True)
+
+
+def load(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hook_state: Any,
+         device: torch.device) -> None:
+    """Restore this rank's file of ``step`` into model, optimizer, RNG and hook state."""
+    rank = dist.get_rank()
+    path = os.path.join(_step_folder(folder, step), f"rank{rank}.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint step {step} has no file for rank {rank}: {path}")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("world_size") != dist.get_world_size():
+        raise ValueError(f"checkpoint {path} was written by a job of {payload.get('world_size')} ranks, this one has "
+                         f"{dist.get_world_size()}; start from another --checkpoint-dir")
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    torch.set_rng_state(payload["rng"])
+    if hook_state is not None:
+        if payload["hook"] is None:
+            raise ValueError(f"checkpoint {path} holds no gradwire hook state, but this method uses the hook")
+        hook_state.load_state_dict(payload["hook"], device=device)
+
+
+def trim_metrics(path: str, step: int) -> list[dict[str, Any]]:
+    """Keep only the records of steps before ``step`` in a metrics JSONL file (steps after the
+    checkpoint ran before the failure and run again now); returns them."""
+    import json
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    kept = [record for record in records if record.get("step", step) < step]
+    with open(path, "w") as handle:
+        for record in kept:
+            handle.write(json.dumps(record) + "\n")
+    return kept
+
+
+def init_process_group(backend: str, timeout: Optional["datetime.timedelta"] = None) -> None:
+    """``dist.init_process_group`` from torchrun's environment, with the store keys of each
+    restart kept apart (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's c10d rendezvous lends its own TCP store to the workers and keeps it across
+    restarts; a restarted gloo group could then read a dead worker's address from the previous
+    attempt and fail with "connectFullMesh ... Connection refused" (seen here in 2 of 3 runs with
+    torch 2.13). A prefix per attempt avoids the stale keys."""
+    import datetime
+
+    timeout = timeout or datetime.timedelta(minutes=30)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gradwire/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def check_options(checkpoint_dir: Optional[str], checkpoint_every: int) -> None:
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 0")
+    if checkpoint_every and not checkpoint_dir:
+        raise ValueError("checkpoint_every needs checkpoint_dir (--checkpoint-dir)")
