@@ -113,6 +113,8 @@ class _Tamper:
             encoded = honest(tensors, *args, **kwargs)
             if my_rank != tamper.rank or tamper.step_of() != 1:
                 return encoded
+            if tamper.mode == "encoder":  # a codec bug on one rank: it must not leave its peers waiting
+                raise RuntimeError("encoder failed (test)")
             if tamper.mode == "checksum":  # a flipped byte: the receivers' checksum fails
                 payload = bytearray(encoded.payload)
                 payload[len(payload) // 2] ^= 0x40
@@ -127,9 +129,9 @@ class _Tamper:
         codec_layer.encode_tensors = encode
 
 
-def worker_tampered(rank: int, world_size: int, mode: str, policy: str) -> dict:
+def worker_tampered(rank: int, world_size: int, mode: str, policy: str, collective: str = "allgather") -> dict:
     model = DDP(_model())
-    state = gradwire.CommHookState(compressor="topk", density=0.1, collective="allgather", nonfinite=policy,
+    state = gradwire.CommHookState(compressor="topk", density=0.1, collective=collective, nonfinite=policy,
                                    model=model)
     model.register_comm_hook(state, gradwire.comm_hook)
     _Tamper(1, lambda: state.iteration, mode).install(rank)
@@ -153,13 +155,14 @@ def worker_tampered(rank: int, world_size: int, mode: str, policy: str) -> dict:
     return outcome
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode, expected", [("checksum", r"checksum mismatch|step 1 failed on rank\(s\) \[0, 2\]"),
                                             ("value", "averaged gradients differ between ranks"),
                                             ("nan", "NaN or Inf in gradients at step 1")])
 def test_a_tampered_payload_fails_the_same_step_on_every_rank(mode: str, expected: str) -> None:
     import re
 
-    outcomes = run_workers(worker_tampered, 3, mode, "raise", timeout=120)
+    outcomes = run_workers(worker_tampered, 3, mode, "raise", timeout=240)
     for rank, outcome in enumerate(outcomes):
         assert outcome.get("step") == 1, (rank, outcome)
         assert re.search(expected, outcome["error"]), (rank, outcome["error"])  # DDP re-wraps the type
@@ -194,3 +197,15 @@ def test_a_rank_without_the_hook_is_reported_in_seconds() -> None:
     assert ok, report
     assert report["error"] is not None and report["seconds"] < 20, report
     assert ("without the gradwire hook" in report["error"] or "configuration differs" in report["error"]), report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collective", ["allgather", "sparse-allreduce"])
+def test_an_encoder_error_on_one_rank_fails_the_step_everywhere(collective: str) -> None:
+    outcomes = run_workers(worker_tampered, 3, "encoder", "raise", collective, timeout=240)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get("step") == 1, (rank, outcome)
+        assert "encoder failed (test)" in outcome["error"] or "failed on rank(s) [1]" in outcome["error"] \
+            or "could not decode" in outcome["error"], (rank, outcome["error"])
+        assert outcome["residuals_unchanged"], rank
+    assert len({o["parameters"] for o in outcomes}) == 1

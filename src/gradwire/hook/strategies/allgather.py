@@ -61,17 +61,25 @@ class PayloadAllGather(ExchangeStrategy):
 
     def start(self, group: BucketGroup, *, finite: bool = True) -> torch.futures.Future:
         context = self.context
-        encoded = None
+        encoded, failure = None, None
         if finite:
-            with context.stats.timer("encode"):
-                parts = [Part(e.compensated, e.indices, e.offset) for e in group.entries]
-                encoded = encode_bucket(parts, group.numel, index_codec=context.index_codec,
-                                        value_codec=context.value_codec)
+            try:
+                with context.stats.timer("encode"):
+                    parts = [Part(e.compensated, e.indices, e.offset) for e in group.entries]
+                    encoded = encode_bucket(parts, group.numel, index_codec=context.index_codec,
+                                            value_codec=context.value_codec)
+            except Exception as error:  # still take part (as "invalid"): peers must not wait on us
+                failure = error
         payload = encoded.payload if encoded is not None else b""
+        valid = finite and failure is None
         capacity = self.frames.capacity(group.signature()) if context.world_size > 1 else None
         if capacity is None:
-            return self._start_measured(group, finite, encoded, payload)
-        return self._start_framed(group, finite, encoded, payload, capacity)
+            started = self._start_measured(group, valid, encoded, payload)
+        else:
+            started = self._start_framed(group, valid, encoded, payload, capacity)
+        if failure is not None:  # this rank fails the step; its peers saw an invalid payload
+            group.mark_failed(failure)
+        return started
 
     # ------------------------------------------------------------------- first sight: lengths
     def _start_measured(self, group: BucketGroup, finite: bool, encoded: Optional[EncodedBucket],

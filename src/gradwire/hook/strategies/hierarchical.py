@@ -79,11 +79,12 @@ class HierarchicalExchange(ExchangeStrategy):
                 return torch.zeros(1, dtype=torch.int64, device=shard_sum.device)
             return self.sparsifier.select(shard_sum, step=step, tensor_id=tensor_id)
 
+        self.codec.error = None
         try:
             result = hierarchical_sparse_allreduce(dense=dense, k=k if k is not None else group.numel,
                                                    hierarchy=hierarchy, select=select, codec=self.codec)
-        except (DecodeError, CollectiveError):
-            raise
+        except (DecodeError, CollectiveError) as error:
+            raise (self.codec.error or error)
         except RuntimeError as error:
             raise CollectiveError(f"hierarchical exchange failed at step {step}: {error}") from error
         context.stats.add("bytes_sent", float(sum(result.sent_intra.values()) + sum(result.sent_cross.values())))

@@ -23,10 +23,18 @@ class RegionCodecAdapter:
 
     def __init__(self, *, index_codec: IndexCodec, value_codec: ValueCodec) -> None:
         self.index_codec, self.value_codec = index_codec, value_codec
+        self.error: Optional[BaseException] = None
 
     def encode(self, *, indices: torch.Tensor, values: torch.Tensor, numel: int) -> tuple[bytes, torch.Tensor]:
-        encoded = codec_layer.encode_tensors([(values, indices, numel)], self.index_codec, self.value_codec,
-                                             check=False)
+        """Never raises: an encoder error here would leave the peers waiting in the exchange, so
+        it sends bytes no receiver can decode instead (every rank then raises together) and keeps
+        the error for this rank to raise."""
+        try:
+            encoded = codec_layer.encode_tensors([(values, indices, numel)], self.index_codec, self.value_codec,
+                                                 check=False)
+        except Exception as error:
+            self.error = error
+            return b"\x00", values.clone()
         return encoded.payload, encoded.tensors[0].values.to(values.dtype)
 
     def decode(self, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,12 +77,13 @@ class SparseAllReduce(ExchangeStrategy):
                 positions = torch.zeros(1, dtype=torch.int64, device=group.device)
                 values = torch.full((1,), float("nan"), device=group.device)
         boundaries = self._boundaries(group, positions)
+        self.codec.error = None
         try:
             result = sparse_allreduce(indices=positions, values=values, numel=group.numel,
                                       k=k if k is not None else group.numel, boundaries=boundaries,
                                       group=context.process_group, codec=self.codec)
-        except (DecodeError, CollectiveError):
-            raise
+        except (DecodeError, CollectiveError) as error:
+            raise (self.codec.error or error)
         except RuntimeError as error:
             raise CollectiveError(f"sparse AllReduce failed at step {context.step}: {error}") from error
         context.stats.add("bytes_sent", float(result.bytes_sent))
