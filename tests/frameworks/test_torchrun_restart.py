@@ -31,7 +31,7 @@ STEPS_PER_EPOCH, EPOCHS, EVERY = 10, 3, 5  # synthetic: 64 batches of 16 per ran
 
 def _command(folder: Path) -> list[str]:
     return ["bash", str(SCRIPT), "--model", "cnn", "--data", "synthetic", "--epochs", str(EPOCHS),
-            "--steps", str(STEPS_PER_EPOCH), "--batch-size", "16", "--no-eval", "--out", str(folder / "out"),
+            "--steps-per-epoch", str(STEPS_PER_EPOCH), "--batch-size", "16", "--no-eval", "--out", str(folder / "out"),
             "--checkpoint-every", str(EVERY)]  # the last --checkpoint-every wins over the script's
 
 
