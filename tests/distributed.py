@@ -49,15 +49,8 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
             dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 20.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
-
-    Raises AssertionError with the worker's traceback if any worker raises, and TimeoutError
-    (after killing every worker) if they do not all finish within ``timeout`` seconds.
-    """
-    import queue as queue_module
-    import time
-
+def _spawn(fn: Callable, world_size: int, args: tuple, pg_timeout: float) -> tuple[Any, list[Any]]:
+    """Start ``world_size`` spawned workers on a free port; returns (results queue, processes)."""
     context = mp.get_context("spawn")
     results_queue = context.Queue()
     port = free_port()
@@ -67,6 +60,28 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0
     ]
     for process in processes:
         process.start()
+    return results_queue, processes
+
+
+def _reap(processes: list[Any]) -> None:
+    """Join every worker, killing the ones still alive after 5 s."""
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 20.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Raises AssertionError with the worker's traceback if any worker raises, and TimeoutError
+    (after killing every worker) if they do not all finish within ``timeout`` seconds.
+    """
+    import queue as queue_module
+    import time
+
+    results_queue, processes = _spawn(fn, world_size, args, pg_timeout)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -85,11 +100,7 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        _reap(processes)
     return [results[rank] for rank in range(world_size)]
 
 
@@ -105,15 +116,7 @@ def run_workers_some_die(fn: Callable, world_size: int, *args: Any, timeout: flo
     import queue as queue_module
     import time
 
-    context = mp.get_context("spawn")
-    results_queue = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, results_queue, args, pg_timeout), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
+    results_queue, processes = _spawn(fn, world_size, args, pg_timeout)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -127,9 +130,5 @@ def run_workers_some_die(fn: Callable, world_size: int, *args: Any, timeout: flo
             except queue_module.Empty:
                 continue
     finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        _reap(processes)
     return results, {rank: p.exitcode for rank, p in enumerate(processes)}

@@ -10,9 +10,9 @@ import torch
 from ...errors import CollectiveError, DecodeError
 from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
 from ...sparsify.base import Sparsifier
-from ..group import BucketGroup, all_finite
+from ..group import BucketGroup
 from .base import ExchangeContext, ExchangeStrategy, done_future, run_guarded
-from .sparse_allreduce import RegionCodecAdapter
+from .sparse_allreduce import RegionCodecAdapter, averaged_output
 
 
 def local_size_of(hierarchy: Union[str, int], world_size: int) -> int:
@@ -90,14 +90,9 @@ class HierarchicalExchange(ExchangeStrategy):
         context.stats.add("bytes_sent", float(sum(result.sent_intra.values()) + sum(result.sent_cross.values())))
         context.stats.add("bytes_sent_cross_node", float(sum(result.sent_cross.values())))
         context.stats.add("count_hierarchical_buckets", 1)
-        if not result.finite:
-            group.mark_nonfinite()
-            return
         with context.stats.timer("decode"):
-            out = group.output_buffer(group.dtype)
-            out[result.indices.to(out.device)] = (result.values / context.world_size).to(out.dtype)
-            if not all_finite(out):
-                group.mark_nonfinite()
+            out = averaged_output(group, result.indices, result.values, context.world_size, finite=result.finite)
+            if out is None:
                 return
             residual = result.residual(group.numel)
             for entry in group.entries:

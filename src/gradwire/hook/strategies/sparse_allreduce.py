@@ -88,17 +88,11 @@ class SparseAllReduce(ExchangeStrategy):
             raise CollectiveError(f"sparse AllReduce failed at step {context.step}: {error}") from error
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_sparse_allreduce_buckets", 1)
-        if not result.finite:
-            group.mark_nonfinite()
-            return
         with context.stats.timer("decode"):
-            out = group.output_buffer(group.dtype)
-            out[result.indices.to(out.device)] = (result.values / context.world_size).to(out.dtype)
-            if not all_finite(out):
-                group.mark_nonfinite()
-                return
-            _keep_own_share(group, positions, result)
-            group.write(out)
+            out = averaged_output(group, result.indices, result.values, context.world_size, finite=result.finite)
+            if out is not None:
+                _keep_own_share(group, positions, result)
+                group.write(out)
 
     def _boundaries(self, group: BucketGroup, positions: torch.Tensor) -> list[int]:
         """The layout's regions, refreshed every REGION_REFRESH_STEPS steps (the same steps on
@@ -114,6 +108,19 @@ class SparseAllReduce(ExchangeStrategy):
             known = (step, bounds)
             self._regions[signature] = known
         return known[1]
+
+
+def averaged_output(group: BucketGroup, indices: torch.Tensor, values: torch.Tensor, world_size: int, *,
+                    finite: bool) -> Optional[torch.Tensor]:
+    """The group's flat output holding ``values / world_size`` at ``indices`` (a sparse sum over
+    ranks), or None after marking the group non-finite (a rank announced NaN/Inf, or the sum has it)."""
+    if finite:
+        out = group.output_buffer(group.dtype)
+        out[indices.to(out.device)] = (values / world_size).to(out.dtype)
+        if all_finite(out):
+            return out
+    group.mark_nonfinite()
+    return None
 
 
 def _joined(group: BucketGroup) -> tuple[torch.Tensor, torch.Tensor]:
