@@ -17,9 +17,14 @@ run (p = 16 … 1024 at 10 / 25 / 100 Gbit/s) and asks, per point:
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+import torch
+
+from .. import codecs as codec_layer
 from ..exchange.alphabeta import (
     Cost,
     Link,
@@ -59,6 +64,29 @@ class Constants:
     values: str = "fp16"
     indices: str = "rice"
     source: str = "defaults"
+
+
+def decode_seconds_per_entry(values: str, indices: str, *, numel: int = 1 << 22, density: float = 0.01,
+                             repeats: int = 5) -> float:
+    """CPU seconds to decode one entry of a payload coded with ``values``/``indices`` (best of
+    ``repeats``, one thread: what one worker of a busy machine gets at best)."""
+    value_codec, index_codec = HookConfig(value_codec=values, index_codec=indices).build_codecs()
+    generator = torch.Generator().manual_seed(0)
+    k = max(1, round(density * numel))
+    positions = torch.sort(torch.randperm(numel, generator=generator)[:k]).values
+    payload = codec_layer.encode_tensors([(torch.randn(k, generator=generator), positions, numel)], index_codec,
+                                         value_codec, check=False).payload
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            codec_layer.decode_tensors(memoryview(payload), expected_numels=[numel])
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best / k
 
 
 def _local(world_size: int, local_size: int) -> Optional[int]:
