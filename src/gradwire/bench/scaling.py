@@ -370,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
                                                 and r["bandwidth"] == bandwidth)]
                 rows += measure_layout(args, workers, per_node, bandwidth)
                 _save(args.out, rows, None, [])  # keep what is measured if a later layout fails
+    order = {name: i for i, name in enumerate(("dense", "allgather", "sparse-allreduce", "hierarchical", "auto"))}
+    rows.sort(key=lambda r: (_rate(r["bandwidth"]), r["workers_per_node"] > 1, r["workers"], order.get(r["strategy"], 9)))
     checks = check_targets(rows)
     if rows:
         print_measured(rows)
