@@ -5,6 +5,12 @@ Per step it records loss, seconds of forward, backward (with DDP this includes w
 exchange that overlaps it), optimizer, and — from the gradwire hook's own counters — seconds in
 compress (sparsify + encode), communicate and decompress, and bytes sent by this rank.
 
+In an emulated cluster (the launcher sets ``GRADWIRE_WIRE_INTERFACE``, and ``GRADWIRE_NODE_LINK``
+with nodes) each method's summary also gets ``"wire"``: the bytes every rank's interface sent and
+received during the measured steps (after the warm-up), read from the kernel's counters between
+two barriers, and per node the bytes that crossed the node's shaped link — exact wire bytes per
+method, headers included, where the launch-wide counters mix every method of the launch.
+
 ``compute_only=True`` runs forward+backward under ``no_sync()`` (no communication at all): the
 floor that communication overhead is measured against.
 """
@@ -15,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,6 +87,47 @@ class TrainConfig:
             if self.checkpoint_dir and spec_parsed.pufferfish is not None:
                 raise ValueError(f"checkpoint_dir: {spec!r} changes the model mid-run (pufferfish), which checkpoints "
                                  "do not cover yet")
+
+
+#: set by the launcher in an emulated cluster: this worker's interface (inside its namespace)
+WIRE_INTERFACE_ENV = "GRADWIRE_WIRE_INTERFACE"
+#: with nodes: "namespace:device" of this worker's node uplink (read by local rank 0 only)
+NODE_LINK_ENV = "GRADWIRE_NODE_LINK"
+
+
+def _wire_reading() -> torch.Tensor:
+    """int64 ``[tx, rx, node_tx, node_rx]`` bytes of this worker's interface and (local rank 0 of
+    a node) its node's uplink, from the kernel's counters; -1 where there is nothing to read."""
+    reading = [-1, -1, -1, -1]
+    interface = os.environ.get(WIRE_INTERFACE_ENV)
+    for slot, name in ((0, "tx_bytes"), (1, "rx_bytes")):
+        try:
+            with open(f"/sys/class/net/{interface}/statistics/{name}") as handle:
+                reading[slot] = int(handle.read())
+        except (OSError, ValueError):
+            pass
+    node_link = os.environ.get(NODE_LINK_ENV)
+    if node_link and os.environ.get("LOCAL_RANK") == "0":
+        namespace, _, device = node_link.partition(":")
+        try:  # the node's link lives in the node's namespace, not in this worker's /sys
+            text = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", "dev", device],
+                                  capture_output=True, text=True, timeout=10, check=True).stdout
+            stats = json.loads(text)[0]["stats64"]
+            reading[2], reading[3] = int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+        except (OSError, ValueError, KeyError, IndexError, subprocess.SubprocessError):
+            pass
+    return torch.tensor(reading, dtype=torch.int64)
+
+
+def _wire_bytes(start: torch.Tensor, end: torch.Tensor, steps: int, device: torch.device) -> dict[str, Any]:
+    """Every rank's counter differences, gathered (the same dict on every rank)."""
+    difference = torch.where((start >= 0) & (end >= 0), end - start, torch.full_like(start, -1)).to(device)
+    gathered = [torch.empty_like(difference) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, difference)
+    rows = [row.cpu().tolist() for row in gathered]
+    nodes = [row for row in rows if row[2] >= 0]
+    return {"steps": steps, "tx_bytes": [row[0] for row in rows], "rx_bytes": [row[1] for row in rows],
+            "node_tx_bytes": [row[2] for row in nodes], "node_rx_bytes": [row[3] for row in nodes]}
 
 
 def _device() -> torch.device:
@@ -237,6 +285,9 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
                    ("seconds_forward", "seconds_backward", "seconds_optimizer", "seconds_compress",
                     "seconds_communicate", "seconds_decompress")},
         "compute_only": config.compute_only,
+        "wire": holder.get("wire"),
+        "strategy_buckets": {key[len("count_"):-len("_buckets")]: value for key, value in
+                             (records[-1] if records else {}).items() if key.endswith("_buckets")},
         "config": asdict(config),
     }
     return summary
@@ -256,6 +307,9 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
     global_step = 0
     saved = start_step
     started = time.perf_counter()
+    # every rank has the launcher's variables or none has: the barriers below match
+    count_wire = bool(os.environ.get(WIRE_INTERFACE_ENV)) and config.warmup_steps < total_steps
+    wire_start = None
 
     def checkpoint() -> None:
         resume.save(folder, global_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"])
@@ -274,6 +328,9 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
             if global_step < start_step:
                 global_step += 1
                 continue
+            if count_wire and global_step == config.warmup_steps:
+                dist.barrier()  # every rank has finished the warm-up's traffic
+                wire_start = _wire_reading()
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -298,6 +355,8 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 record.update({"seconds_compress": stats["seconds_sparsify"] + stats["seconds_encode"],
                                "seconds_communicate": stats["seconds_communicate"],
                                "seconds_decompress": stats["seconds_decode"], "bytes_sent": stats["bytes_sent"]})
+                # buckets per strategy so far: which exchange ``auto`` took
+                record.update({key: value for key, value in stats.items() if key.endswith("_buckets")})
             else:
                 parameters = sum(p.numel() for p in ddp.parameters() if p.requires_grad)
                 record["bytes_sent"] = _hook_bytes_per_step(spec, parameters, world)
@@ -322,7 +381,11 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
             ddp, optimizer = warmup.model, warmup.optimizer
     if folder and saved != global_step:
         checkpoint()
+    if wire_start is not None:
+        dist.barrier()
+        holder["wire"] = _wire_bytes(wire_start, _wire_reading(), global_step - config.warmup_steps, device)
     return ddp, optimizer
+
 
 def run_rank(config: TrainConfig,
              on_summary: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:

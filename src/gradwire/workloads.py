@@ -1,5 +1,7 @@
 """A model, its data and its loss, by name: what ``gradwire train`` and the benchmarks run.
 
+``mlp`` (a wide MLP, :class:`~gradwire.models.mlp.WideMLP`) takes ``synthetic`` vectors labelled by
+a fixed random linear teacher: a communication-bound workload (many parameters, little compute).
 Image models (cnn, resnet18, vgg19) take ``mnist5k``, ``digits`` or ``synthetic`` images
 (CIFAR-shaped 3x32x32 by default for resnet18/vgg19). Sequence models (lstm, transformer) take
 ``synthetic`` token sequences or a local text file (``text=PATH``, byte-level, vocabulary 256):
@@ -55,6 +57,8 @@ def build_workload(model_name: str, data: Optional[str] = None, *, seed: int = 0
     (resnet18, vgg19) or synthetic tokens (lstm, transformer). Same data on every rank."""
     check_choice("model", model_name, tuple(MODELS))
     torch.manual_seed(seed)
+    if model_name == "mlp":
+        return _mlp_workload(data, seed=seed, size=synthetic_size)
     if model_name in IMAGE_MODELS:
         data = data or ("mnist5k" if model_name == "cnn" else "synthetic")
         check_choice("data", data, DATASETS)
@@ -83,4 +87,22 @@ def build_workload(model_name: str, data: Optional[str] = None, *, seed: int = 0
     else:
         model = build_model("transformer", vocab_size=vocab, num_classes=vocab, d_model=128, nhead=4,
                             num_layers=2, dim_feedforward=512, seq_len=seq_len, max_len=max(128, seq_len))
+    return Workload(model, train, test, _classification_loss, _accuracy)
+
+
+#: the wide MLP's input size and hidden width (4.7M parameters: a communication-bound step)
+MLP_IN_FEATURES, MLP_WIDTH = 256, 2048
+
+
+def _mlp_workload(data: Optional[str], *, seed: int, size: int) -> Workload:
+    if data not in (None, "synthetic"):
+        raise ValueError(f"data={data!r} is not available for mlp; allowed: synthetic")
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size + size // 4, MLP_IN_FEATURES, generator=generator)
+    teacher = torch.randn(MLP_IN_FEATURES, 10, generator=generator)
+    labels = (inputs @ teacher).argmax(-1)
+    data_set = torch.utils.data.TensorDataset(inputs, labels)
+    train = torch.utils.data.Subset(data_set, list(range(size)))
+    test = torch.utils.data.Subset(data_set, list(range(size, len(data_set))))
+    model = build_model("mlp", in_features=MLP_IN_FEATURES, width=MLP_WIDTH, depth=2, num_classes=10)
     return Workload(model, train, test, _classification_loss, _accuracy)

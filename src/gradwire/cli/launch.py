@@ -97,8 +97,17 @@ def _launch_in_cluster(argv: list[str], workers: int, cluster: ClusterArg, timeo
         # emulated nodes: rank r is local rank r % per_node on node r // per_node
         per_node = emulated.spec.workers_per_node
         env = [{"MASTER_ADDR": emulated.master_addr, "GLOO_SOCKET_IFNAME": emulated.interface(r),
-                "LOCAL_RANK": str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node)}
+                "LOCAL_RANK": str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node),
+                # per-method wire bytes (training.py reads them between barriers)
+                "GRADWIRE_WIRE_INTERFACE": emulated.interface(r)}
                for r in range(workers)]
+        if per_node > 1:
+            from ..cluster.netns import node_namespace, uplink_name
+
+            for r in range(workers):
+                node = r // per_node
+                env[r]["GRADWIRE_NODE_LINK"] = (f"{node_namespace(emulated.spec.prefix, node)}:"
+                                                f"{uplink_name(emulated.spec.prefix, node)}")
         _run_processes([emulated.wrap(rank, argv) for rank in range(workers)], env, timeout, poll)
         end = emulated.counters()
     link = {"prefix": emulated.spec.prefix, "bandwidth": emulated.spec.bandwidth, "latency": emulated.spec.latency,

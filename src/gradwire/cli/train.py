@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="repeatable; e.g. allreduce, torch-fp16, torch-powersgd:rank=4, "
                              "topk:density=0.01,values=fp16,indices=eliasfano, randomblock:density=0.01, "
                              "pufferfish:rank_ratio=0.25,warmup_epochs=1 (default: allreduce and topk 1%%)")
-    parser.add_argument("--model", default="cnn", help="cnn, resnet18, vgg19, lstm, transformer (default cnn)")
+    parser.add_argument("--model", default="cnn", help="cnn, resnet18, vgg19, lstm, transformer, mlp (default cnn)")
     parser.add_argument("--data", default=None, help="mnist5k, digits, synthetic (default: mnist5k for cnn, synthetic otherwise)")
     parser.add_argument("--text", default=None, metavar="PATH", help="a local text file for lstm/transformer (byte-level)")
     parser.add_argument("--workers", type=int, default=None,

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import check_choice
 from .cnn import SmallCNN
 from .lstm import LSTMLanguageModel
+from .mlp import WideMLP
 from .resnet import ResNet18
 from .transformer import TransformerClassifier
 from .vgg import VGG19
@@ -30,6 +31,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "vgg19": VGG19,
     "lstm": LSTMLanguageModel,
     "transformer": TransformerClassifier,
+    "mlp": WideMLP,
 }
 
 
@@ -40,4 +42,4 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     return MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "build_model", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19"]
+__all__ = ["MODELS", "build_model", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19", "WideMLP"]
