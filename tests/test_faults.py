@@ -192,7 +192,7 @@ def worker_one_rank_without_hook(rank: int, world_size: int) -> dict:
 
 
 def test_a_rank_without_the_hook_is_reported_in_seconds() -> None:
-    results, _ = run_workers_some_die(worker_one_rank_without_hook, 2, timeout=120, pg_timeout=30)
+    results, _ = run_workers_some_die(worker_one_rank_without_hook, 2, timeout=120, pg_timeout=12)
     ok, report = results[0]
     assert ok, report
     assert report["error"] is not None and report["seconds"] < 20, report
