@@ -36,6 +36,8 @@ EXPECTED_PARAMS = {
     "lstm": (3_622_672, 3_098_384),
     # Token embeddings (2.56M) stay; encoder layers 1-3 shrink.
     "transformer": (5_754_378, 4_279_818),
+    # The input layer stays (526,336); 2048x2048 gets r = 512 (2,099,200); the 10-way head r = 3.
+    "mlp": (4_743_178, 2_631_720),
 }
 
 
