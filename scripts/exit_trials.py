@@ -3,6 +3,11 @@ group exit cleanly? (Issue: 2-3 aborts in 10 runs, "terminate called without an 
 
     python scripts/exit_trials.py --runs 30                  # every collective, 30 runs each
     python scripts/exit_trials.py --runs 5 --collectives dense
+    python scripts/exit_trials.py --runs 30 --load 2         # two busy processes beside the trials
+
+The abort was a race at exit (a backend thread freeing a Work after the interpreter began to shut
+down; see gradwire.lifetime), so a loaded machine makes it likelier: ``--load N`` runs N busy-loop
+processes during the trials.
 
 Prints one row per collective: runs, clean exits (both ranks 0), aborts (SIGABRT), other failures.
 """
@@ -86,14 +91,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--collectives", default=",".join(COLLECTIVES))
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--load", type=int, default=0, help="busy-loop processes to run beside the trials")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"{'collective':<10} {'runs':>5} {'clean':>6} {'aborts':>7} other")
-    for name in args.collectives.split(","):
-        outcomes = [trial(COLLECTIVES[name], args.timeout) for _ in range(args.runs)]
-        other = sorted({o for o in outcomes if o not in ("clean", "abort")})
-        print(f"{name:<10} {len(outcomes):>5} {outcomes.count('clean'):>6} {outcomes.count('abort'):>7} "
-              f"{', '.join(other) or '-'}", flush=True)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        print(f"{'collective':<10} {'runs':>5} {'clean':>6} {'aborts':>7} other   (load {args.load})")
+        for name in args.collectives.split(","):
+            outcomes = [trial(COLLECTIVES[name], args.timeout) for _ in range(args.runs)]
+            other = sorted({o for o in outcomes if o not in ("clean", "abort")})
+            print(f"{name:<10} {len(outcomes):>5} {outcomes.count('clean'):>6} {outcomes.count('abort'):>7} "
+                  f"{', '.join(other) or '-'}", flush=True)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 if __name__ == "__main__":

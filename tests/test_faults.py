@@ -28,6 +28,7 @@ KILL_CASES = {
     "allreduce": {"compressor": "randomblock", "density": 0.05, "collective": "allreduce"},
     "allgather": {"compressor": "topk", "density": 0.05, "collective": "allgather"},
     "auto": {"compressor": "topk", "density": 0.05, "collective": "auto"},
+    "sparse-allreduce": {"compressor": "topk", "density": 0.05, "collective": "sparse-allreduce"},
 }
 
 
@@ -197,6 +198,34 @@ def test_a_rank_without_the_hook_is_reported_in_seconds() -> None:
     assert ok, report
     assert report["error"] is not None and report["seconds"] < 20, report
     assert ("without the gradwire hook" in report["error"] or "configuration differs" in report["error"]), report
+
+
+def worker_stuck_peer(rank: int, world_size: int, collective: str) -> dict:
+    """Rank 1 stops calling for 20 s at step 2 (alive, connections open); rank 0 must give up
+    after about ``collective_timeout`` seconds, not the process group's timeout."""
+    model = DDP(_model(), bucket_cap_mb=0.01)
+    model.register_comm_hook(gradwire.CommHookState(model=model, compressor="topk", density=0.05,
+                                                    collective=collective, collective_timeout=3.0), gradwire.comm_hook)
+    for step in range(4):
+        if rank == 1 and step == 2:
+            time.sleep(20)
+        inputs, targets = _batch(rank, step)
+        started = time.time()
+        try:
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        except Exception as error:
+            return {"step": step, "error": str(error)[:600], "seconds": time.time() - started}
+    return {"step": None, "error": None, "seconds": None}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("collective", ["sparse-allreduce", "allgather"])
+def test_a_stuck_peer_fails_the_step_after_the_collective_timeout(collective: str) -> None:
+    results, _ = run_workers_some_die(worker_stuck_peer, 2, collective, timeout=150, pg_timeout=60)
+    ok, report = results[0]
+    assert ok, report
+    assert report["step"] == 2 and report["error"] is not None, report
+    assert report["seconds"] < 15, report  # 3 s per blocking round, not the group's 60 s
 
 
 @pytest.mark.timeout(300)

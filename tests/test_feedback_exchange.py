@@ -64,7 +64,7 @@ def test_cost_model_never_prefers_a_costlier_allgather() -> None:
 
 def test_collectives_are_identity_for_one_rank() -> None:
     tensor = torch.arange(4.0)
-    assert torch.equal(allreduce_sum(tensor).wait(), torch.arange(4.0))
+    assert torch.equal(allreduce_sum(tensor).result(), torch.arange(4.0))
     assert [bytes(b) for b in allgather_bytes(b"abc")] == [b"abc"]
 
 

@@ -33,6 +33,8 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .lifetime import wait_for
+
 FORMAT = "gradwire.commhook/1"
 #: state kinds stored per parameter, in this order
 KINDS = ("residuals", "velocities")
@@ -200,7 +202,8 @@ def _gather(tensor: torch.Tensor, root: int, rank: int, world: int,
             group: Optional[dist.ProcessGroup]) -> Optional[list[torch.Tensor]]:
     """``dist.gather`` to group rank 0: the list of every rank's tensor there, None elsewhere."""
     buffers = [torch.empty_like(tensor) for _ in range(world)] if rank == 0 else None
-    dist.gather(tensor, gather_list=buffers, dst=root, group=group)
+    wait_for(dist.gather(tensor, gather_list=buffers, dst=root, group=group, async_op=True), None,
+             "gather of hook states")
     return buffers
 
 

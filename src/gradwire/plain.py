@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .hook import CommHookState
+from .lifetime import wait_for
 
 
 class GradientExchange:
@@ -95,7 +96,7 @@ def _broadcast_from_first_rank(tensors: list[torch.Tensor], group: Optional[dist
     with torch.no_grad():
         for same in kinds.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, src=root, group=group)
+            wait_for(dist.broadcast(flat, src=root, group=group, async_op=True), None, "broadcast of parameters")
             offset = 0
             for tensor in same:
                 tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
+from .lifetime import barrier, wait_for
+
 COMPLETE = "COMPLETE"
 KEEP = 2
 _STEP = re.compile(r"^step-(\d+)$")
@@ -50,7 +52,7 @@ def _complete_steps(folder: str) -> list[int]:
 def latest_step(folder: str) -> int:
     """Collective: the latest complete checkpoint step in ``folder`` as rank 0 sees it (0: none)."""
     found = torch.tensor([(_complete_steps(folder) or [0])[-1] if dist.get_rank() == 0 else 0], dtype=torch.int64)
-    dist.broadcast(found, 0)
+    wait_for(dist.broadcast(found, 0, async_op=True), None, "broadcast of the latest checkpoint step")
     return int(found)
 
 
@@ -66,7 +68,7 @@ def save(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.opt
     temporary = os.path.join(target, f".rank{rank}.pt.tmp")
     torch.save(payload, temporary)
     os.replace(temporary, os.path.join(target, f"rank{rank}.pt"))  # a killed writer leaves no half file
-    dist.barrier()
+    barrier()
     if rank == 0:
         with open(os.path.join(target, COMPLETE), "w") as handle:
             handle.write(f"{dist.get_world_size()}\n")

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import resume
 from .exchange.cost import ring_allreduce_bytes
+from .lifetime import barrier, wait_for
 from .methods import MethodSpec, parse_method
 from .workloads import Workload, build_workload
 
@@ -123,7 +124,7 @@ def _wire_bytes(start: torch.Tensor, end: torch.Tensor, steps: int, device: torc
     """Every rank's counter differences, gathered (the same dict on every rank)."""
     difference = torch.where((start >= 0) & (end >= 0), end - start, torch.full_like(start, -1)).to(device)
     gathered = [torch.empty_like(difference) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, difference)
+    wait_for(dist.all_gather(gathered, difference, async_op=True), None, "AllGather of wire bytes")
     rows = [row.cpu().tolist() for row in gathered]
     nodes = [row for row in rows if row[2] >= 0]
     return {"steps": steps, "tx_bytes": [row[0] for row in rows], "rx_bytes": [row[1] for row in rows],
@@ -329,7 +330,7 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 global_step += 1
                 continue
             if count_wire and global_step == config.warmup_steps:
-                dist.barrier()  # every rank has finished the warm-up's traffic
+                barrier()  # every rank has finished the warm-up's traffic
                 wire_start = _wire_reading()
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
@@ -340,7 +341,7 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 t1 = time.perf_counter()
                 loss.backward()
             if config.compute_only and config.barrier_each_step:
-                dist.barrier()
+                barrier()
             t2 = time.perf_counter()
             optimizer.step()
             t3 = time.perf_counter()
@@ -382,7 +383,7 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
     if folder and saved != global_step:
         checkpoint()
     if wire_start is not None:
-        dist.barrier()
+        barrier()
         holder["wire"] = _wire_bytes(wire_start, _wire_reading(), global_step - config.warmup_steps, device)
     return ddp, optimizer
 

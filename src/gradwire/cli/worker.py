@@ -20,6 +20,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..lifetime import barrier
+
 
 def _write_atomically(path: str, summaries: list) -> None:
     """Write then rename, so the launcher never reads half a file."""
@@ -49,7 +51,7 @@ def main(argv: list[str]) -> int:
                 _write_atomically(result_path, summaries)
 
         run_rank(config, on_summary=save)
-        dist.barrier()  # nobody tears down its gloo pairs while a peer still uses them
+        barrier()  # nobody tears down its gloo pairs while a peer still uses them
     finally:
         dist.destroy_process_group()
     return 0

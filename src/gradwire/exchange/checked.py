@@ -9,16 +9,25 @@ after a round that tells every receiver what it gets): gloo has no uneven list `
 no ``all_gather`` of uneven sizes, padding would make the busiest rank set everyone's volume, and
 a full-mesh exchange lets every survivor notice a dead peer itself (see :func:`allgather_tensor`).
 A world of one never touches ``torch.distributed``.
+
+Each wait is bounded by :func:`time_limit` where a caller set one (the hook sets its
+``collective_timeout`` around every exchange), else by the process group's own timeout: a peer
+that stopped calling (stuck, or training without the hook) fails the round in seconds, not after
+gloo's 30 minutes.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+import datetime
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from ..lifetime import keep_alive
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -29,12 +38,33 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def wait_checked(work: object, what: str, collective: str) -> None:
-    """Wait for ``work``; raise :class:`CollectiveError` naming ``collective`` if it failed."""
+_time_limit: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("gradwire_time_limit", default=None)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: Optional[float]) -> Iterator[None]:
+    """Inside, every blocking round here waits at most ``seconds`` (None: the group's own timeout)."""
+    token = _time_limit.set(seconds)
     try:
-        ok = work.wait()  # type: ignore[attr-defined]
+        yield
+    finally:
+        _time_limit.reset(token)
+
+
+def wait_checked(work: object, what: str, collective: str) -> None:
+    """Wait for ``work``; raise :class:`CollectiveError` naming ``collective`` if it failed or
+    outlasted :func:`time_limit`."""
+    keep_alive(work)  # its tensors must not be freed by the backend's thread (gradwire.lifetime)
+    seconds = _time_limit.get()
+    try:
+        if seconds is None:
+            ok = work.wait()  # type: ignore[attr-defined]
+        else:
+            ok = work.wait(timeout=datetime.timedelta(seconds=seconds))  # type: ignore[attr-defined]
     except Exception as error:  # gloo raises on a closed connection or a timeout
-        raise CollectiveError(f"{what}: {collective} failed: {error}") from error
+        limit = f" (time limit {seconds} s: a peer may be dead, stuck, or training without the gradwire hook)" \
+            if seconds is not None else ""
+        raise CollectiveError(f"{what}: {collective} failed{limit}: {error}") from error
     if ok is False:  # some backends report failure by returning False instead of raising
         raise CollectiveError(f"{what}: {collective} failed (work reported no success)")
 

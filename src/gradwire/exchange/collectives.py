@@ -12,21 +12,25 @@ Byte strings travel as uint8 tensors, in one of two ways:
 
 Nothing is pickled; receivers parse the bytes with the codecs' checked decoder.
 
-Every completion callback here calls ``future.value()`` before touching its buffers: a collective
-that failed (a peer died) must surface as that error, never as the contents of buffers it never
-wrote. Blocking rounds wait with a ``timeout`` (seconds) well below gloo's 30-minute default, so a
-dead or hook-less peer is reported in seconds or minutes rather than half an hour.
+Asynchronous rounds return a :class:`~.inflight.Launched`: its buffers are read only on the
+caller's thread, after the wait succeeded, so a collective that failed (a peer died) surfaces as
+that error, never as the contents of buffers it never wrote, and nothing of ours runs on a backend
+thread (why that matters: :mod:`.inflight`). Blocking rounds wait with a ``timeout`` (seconds) well
+below gloo's 30-minute default, so a dead or hook-less peer is reported in seconds or minutes
+rather than half an hour.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import struct
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..lifetime import wait_for
+from .inflight import Launched
 
 
 def communication_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -41,31 +45,14 @@ def world_size_of(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def allreduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.futures.Future:
-    """Start an in-place SUM AllReduce; the Future's value is ``tensor`` (summed)."""
+def allreduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
+                  collective: str = "AllReduce") -> Launched[torch.Tensor]:
+    """Start an in-place SUM AllReduce; ``result()`` is ``tensor`` (summed). ``collective``
+    names it in errors."""
     if world_size_of(group) == 1:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(tensor)
-        return future
+        return Launched.ready(tensor, collective)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-
-    def summed(future: torch.futures.Future) -> torch.Tensor:
-        future.value()  # re-raises a failed AllReduce instead of returning our own unreduced tensor
-        return tensor
-
-    return work.get_future().then(summed)
-
-
-def wait_for(work: Any, timeout: Optional[float], collective: str) -> None:
-    """Block until ``work`` (a ``dist`` Work) completes; raise ``RuntimeError`` naming
-    ``collective`` if it fails or takes longer than ``timeout`` seconds (None: the group's own)."""
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except Exception as error:
-        raise RuntimeError(f"{collective} did not complete within {timeout} s or failed: {error}") from error
+    return Launched(work, lambda: tensor, collective)
 
 
 class ByteGather:
@@ -73,7 +60,7 @@ class ByteGather:
 
     ``lengths()`` exchanges the payload sizes (blocking: a few bytes); the caller may decide on
     that basis (every rank sees the same lengths, so every rank decides the same); ``start()``
-    launches the padded AllGather and returns a Future of the list of per-rank ``memoryview``s.
+    launches the padded AllGather; its ``result()`` is the list of per-rank ``memoryview``s.
     """
 
     def __init__(self, payload: bytes, group: Optional[dist.ProcessGroup] = None, *, valid: bool = True,
@@ -100,22 +87,19 @@ class ByteGather:
                 self._lengths = [int(t.item()) for t in gathered]
         return self._lengths
 
-    def start(self) -> torch.futures.Future:
+    def start(self) -> Launched[list[memoryview]]:
         lengths = [max(n, 0) for n in self.lengths()]
         if self.world_size == 1:
-            future: torch.futures.Future = torch.futures.Future()
-            future.set_result([memoryview(self.payload)])
-            return future
+            return Launched.ready([memoryview(self.payload)], "AllGather of payloads")
         longest = max(lengths)
         padded = _padded(self.payload, longest, self.device)
         gathered = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
 
-        def unpad(future: torch.futures.Future) -> list[memoryview]:
-            future.value()  # a failed AllGather raises here, before its buffers are read
+        def unpad() -> list[memoryview]:
             return [memoryview(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths)]
 
-        return work.get_future().then(unpad)
+        return Launched(work, unpad, "AllGather of payloads")
 
 
 def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
@@ -131,10 +115,10 @@ FRAME_HEADER_BYTES = 8
 
 
 def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGroup] = None, *,
-                  valid: bool = True) -> torch.futures.Future:
+                  valid: bool = True) -> Launched[tuple[list[int], list[memoryview]]]:
     """Start one AllGather of fixed-size frames (``FRAME_HEADER_BYTES + capacity`` bytes per rank).
 
-    Every rank must pass the same ``capacity``. The Future's value is ``(lengths, heads)``: the
+    Every rank must pass the same ``capacity``. The ``result()`` is ``(lengths, heads)``: the
     payload length of each rank (-1 where ``valid=False``) and a ``memoryview`` of the first
     ``min(length, capacity)`` bytes of its payload. Where a length exceeds ``capacity`` the
     rest must be fetched with :func:`gather_overflow`, on every rank, in the same order.
@@ -144,16 +128,13 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
     own = len(payload) if valid else -1
     world_size = world_size_of(group)
     if world_size == 1:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(([own], [memoryview(payload if valid else b"")]))
-        return future
+        return Launched.ready(([own], [memoryview(payload if valid else b"")]), "AllGather of frames")
     head = payload[:capacity] if valid else b""
     frame = _padded(struct.pack("<q", own) + head, FRAME_HEADER_BYTES + capacity, communication_device(group))
     gathered = [torch.empty_like(frame) for _ in range(world_size)]
     work = dist.all_gather(gathered, frame, group=group, async_op=True)
 
-    def split(future: torch.futures.Future) -> tuple[list[int], list[memoryview]]:
-        future.value()  # a failed AllGather raises here, before its never-written frames are read
+    def split() -> tuple[list[int], list[memoryview]]:
         lengths, heads = [], []
         for received in gathered:
             array = received.cpu().numpy()
@@ -163,7 +144,7 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
             heads.append(memoryview(array)[FRAME_HEADER_BYTES: FRAME_HEADER_BYTES + kept])
         return lengths, heads
 
-    return work.get_future().then(split)
+    return Launched(work, split, "AllGather of frames")
 
 
 def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
@@ -183,7 +164,7 @@ def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
 
 def allgather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -> list[memoryview]:
     """Blocking AllGather of one byte string per rank; returns them in rank order."""
-    return ByteGather(payload, group).start().wait()
+    return ByteGather(payload, group).start().result()
 
 
 def check_same_on_all_ranks(description: str, group: Optional[dist.ProcessGroup] = None,

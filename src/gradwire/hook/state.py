@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..exchange import check_same_on_all_ranks, ring_allreduce_bytes
 from ..exchange.alphabeta import Link
+from ..exchange.checked import time_limit
 from ..exchange.collectives import world_size_of
 from ..feedback import ErrorFeedback, MomentumCorrection
 from ..stats import ExchangeStats
@@ -28,6 +29,7 @@ from .step import StepEnd
 from .choice import Calibration, calibrate, candidates, choose_strategy, entry_bytes
 from .strategies import (
     DenseAllReduce,
+    Exchange,
     ExchangeContext,
     ExchangeStrategy,
     HierarchicalExchange,
@@ -103,7 +105,10 @@ class CommHookState:
         self._checked = False
         self._pending: Optional[BucketGroup] = None
         self._step_groups: list[BucketGroup] = []
-        self._in_flight: list[torch.futures.Future] = []
+        self._in_flight: list[Exchange] = []
+        #: the last step's exchanges, held (with their collectives' Work) until the next step's
+        #: first bucket, so no backend thread frees their tensors (gradwire.exchange.inflight)
+        self._last_step: list[Exchange] = []
         #: built at first use, when the process group is up
         self._strategies: Optional[dict[str, ExchangeStrategy]] = None
         self._context: Optional[ExchangeContext] = None
@@ -186,8 +191,8 @@ class CommHookState:
         # process groups cannot be pickled (as PyTorch's PowerSGDState does, drop it); neither
         # can what is in flight, and frame sizes must restart from a length round on every rank
         state = dict(self.__dict__)
-        state.update(process_group=None, _pending=None, _step_groups=[], _in_flight=[], _strategies=None,
-                     _context=None, _step_end=None, _calibration=None, _choices={})
+        state.update(process_group=None, _pending=None, _step_groups=[], _in_flight=[], _last_step=[],
+                     _strategies=None, _context=None, _step_end=None, _calibration=None, _choices={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -204,6 +209,8 @@ class CommHookState:
         if not self._checked:
             check_same_on_all_ranks(self.describe(), self.process_group, timeout=self.config.collective_timeout)
             self._checked = True
+        if self._pending is None and not self._step_groups:  # the step's first bucket
+            self._last_step = []
         devices = [buffer.device] if buffer.device.type == "cuda" else None
         future: torch.futures.Future = torch.futures.Future(devices=devices)
         group = self._pending if self._pending is not None else BucketGroup(buffers=[])
@@ -220,14 +227,18 @@ class CommHookState:
         self._pending = None
         self._step_groups.append(group)
         try:
-            self._in_flight.append(self._exchange(group))
+            with time_limit(self.config.collective_timeout):  # blocking rounds (sparse, calibration)
+                self._in_flight.append(self._exchange(group))
         except BaseException as error:  # recorded; every rank fails this step together
             group.mark_failed(error)
+        for exchange in self._in_flight:  # decode what has arrived while backward goes on
+            if exchange.done():
+                exchange.complete()
         if is_last:
             self._end_step()
         return future
 
-    def _exchange(self, group: BucketGroup) -> torch.futures.Future:
+    def _exchange(self, group: BucketGroup) -> Exchange:
         """Choose the group's strategy (the same on every rank) and start it."""
         strategies = self._strategies_for_step()
         context = self._context
@@ -318,7 +329,7 @@ class CommHookState:
         return self._strategies
 
     def _reset_exchange(self) -> None:
-        self._pending, self._step_groups, self._in_flight = None, [], []
+        self._pending, self._step_groups, self._in_flight, self._last_step = None, [], [], []
         self._choices = {}
         if self._strategies is not None:
             for strategy in self._strategies.values():
@@ -331,6 +342,7 @@ class CommHookState:
         step_end = self._step_end
         assert step_end is not None
         step_end.wait(groups, in_flight, self.iteration)
+        self._last_step = in_flight
         for strategy in (self._strategies or {}).values():
             try:
                 strategy.settle()

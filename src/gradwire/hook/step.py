@@ -2,9 +2,8 @@
 
 At the step's last bucket, on the hook's thread (:meth:`StepEnd.finish`):
 
-1. wait for every exchange the step started, up to ``collective_timeout`` seconds, so nothing
-   the hook started outlives the step (no callback still running on a backend thread when the
-   user destroys the process group);
+1. wait for every exchange the step started, up to ``collective_timeout`` seconds, and finish
+   each (decode, average, write) on this thread, so nothing the hook started outlives the step;
 2. let each strategy run its second rounds (frame overflow), in launch order;
 3. **agree**: one AllGather of ``[status, digest]`` per rank (16 bytes each). ``status`` is the
    worst outcome of this rank's groups (0 written, 1 non-finite, 2 failed); ``digest`` is a
@@ -32,11 +31,13 @@ import torch.distributed as dist
 import xxhash
 
 from ..errors import CollectiveError, DivergenceError, StepFailedError
-from ..exchange.collectives import communication_device, wait_for
+from ..exchange.collectives import communication_device
+from ..lifetime import wait_for
 from ..feedback import ErrorFeedback
 from ..stats import ExchangeStats
 from .config import HookConfig
 from .group import BucketGroup
+from .strategies.base import Exchange
 
 STATUS_WRITTEN, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2
 _STATUS = {"written": STATUS_WRITTEN, "nonfinite": STATUS_NONFINITE, "failed": STATUS_FAILED}
@@ -58,11 +59,11 @@ class StepEnd:
         self.stats = stats
         self.feedback = feedback
 
-    def wait(self, groups: Sequence[BucketGroup], in_flight: Sequence[torch.futures.Future], step: int) -> None:
+    def wait(self, groups: Sequence[BucketGroup], in_flight: Sequence[Exchange], step: int) -> None:
         """Step 1: every exchange of the step completes (or the step fails) within the timeout."""
         deadline = time.monotonic() + self.config.collective_timeout
-        for future in in_flight:
-            while not future.done():
+        for exchange in in_flight:
+            while not exchange.done():
                 if time.monotonic() > deadline:
                     error = CollectiveError(
                         f"an exchange of step {step} did not complete within collective_timeout="
@@ -73,6 +74,7 @@ class StepEnd:
                             group.mark_failed(error)
                     return
                 time.sleep(_POLL_SECONDS)
+            exchange.complete()
 
     def finish(self, groups: Sequence[BucketGroup], step: int) -> None:
         """Steps 3-4: agree with the other ranks, then resolve or fail DDP's Futures."""

@@ -8,7 +8,7 @@
 """
 
 from .allgather import PayloadAllGather, count_slack
-from .base import ExchangeContext, ExchangeStrategy
+from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 from .hierarchical import HierarchicalExchange, local_size_of
 from .shared_support import SharedSupportAllReduce
@@ -16,6 +16,7 @@ from .sparse_allreduce import SparseAllReduce
 
 __all__ = [
     "DenseAllReduce",
+    "Exchange",
     "ExchangeContext",
     "ExchangeStrategy",
     "HierarchicalExchange",

@@ -13,7 +13,7 @@ from ...errors import CollectiveError, DecodeError
 from ...exchange import FRAME_HEADER_BYTES, ByteGather, CostModel, gather_frames, gather_overflow
 from ..frames import FRAME_HEADROOM, FrameSizes
 from ..group import BucketGroup, all_finite
-from .base import ExchangeContext, ExchangeStrategy, done_future, guarded
+from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 
 #: No codec needs more than this many bytes per dense element (raw uint64 positions + float64
@@ -40,11 +40,11 @@ class PayloadAllGather(ExchangeStrategy):
        (``collective="auto"``; same lengths on every rank, so the same choice), then all-gather
        the padded payloads. Known layout: one AllGather of frames of the agreed size
        (:class:`~gradwire.hook.frames.FrameSizes`), so backward never waits on a length round;
-    3. the callback decodes every peer's payload (checked against the sizes this rank expects),
+    3. on completion, decode every peer's payload (checked against the sizes this rank expects),
        adds this rank's own reconstruction, divides by the world size, sums in rank order
        (identical bits on every rank) and keeps ``compensated - sent`` as residual;
     4. a payload longer than its frame is noted; :meth:`settle` fetches the rest in a second
-       round at the step's last bucket, in launch order (a callback must not start a collective).
+       round at the step's last bucket, in launch order (completing must not start a collective).
     """
 
     name = "allgather"
@@ -59,7 +59,7 @@ class PayloadAllGather(ExchangeStrategy):
         self.frames.reset()
         self._in_flight = []
 
-    def start(self, group: BucketGroup, *, finite: bool = True) -> torch.futures.Future:
+    def start(self, group: BucketGroup, *, finite: bool = True) -> Exchange:
         context = self.context
         encoded, failure = None, None
         if finite:
@@ -83,7 +83,7 @@ class PayloadAllGather(ExchangeStrategy):
 
     # ------------------------------------------------------------------- first sight: lengths
     def _start_measured(self, group: BucketGroup, finite: bool, encoded: Optional[EncodedBucket],
-                        payload: bytes) -> torch.futures.Future:
+                        payload: bytes) -> Exchange:
         context = self.context
         world = context.world_size
         gather = ByteGather(payload, context.process_group, valid=finite, timeout=context.config.collective_timeout)
@@ -92,16 +92,16 @@ class PayloadAllGather(ExchangeStrategy):
             lengths = gather.lengths()
         except Exception as error:
             group.mark_failed(CollectiveError(f"AllGather of payload lengths failed at step {context.step}: {error}"))
-            return done_future()
+            return Exchange(context, group)
         context.stats.add("seconds_communicate", time.perf_counter() - started)
         if min(lengths) < 0:
             group.mark_nonfinite()
-            return done_future()
+            return Exchange(context, group)
         try:
             _check_lengths(lengths, group)
         except DecodeError as error:
             group.mark_failed(error)
-            return done_future()
+            return Exchange(context, group)
         element_size = group.buffers[0].element_size()
         if (context.config.collective == "auto" and world > 1
                 and not CostModel(world).prefer_allgather(max(lengths), group.numel, element_size)):
@@ -110,13 +110,11 @@ class PayloadAllGather(ExchangeStrategy):
         self.frames.learn(group.signature(), lengths)
         context.stats.add("bytes_sent", 8.0 * (world - 1) + (world - 1) * max(lengths))
         context.stats.add("count_allgather_buckets", 1)
-        started = time.perf_counter()
-        return gather.start().then(guarded(context, group, "AllGather of payloads", started,
-                                           lambda payloads: self._combine(group, payloads, encoded)))
+        return Exchange(context, group, gather.start(), lambda payloads: self._combine(group, payloads, encoded))
 
     # ------------------------------------------------------------------- known layout: frames
     def _start_framed(self, group: BucketGroup, finite: bool, encoded: Optional[EncodedBucket], payload: bytes,
-                      capacity: int) -> torch.futures.Future:
+                      capacity: int) -> Exchange:
         context = self.context
         world = context.world_size
         frame_bytes = FRAME_HEADER_BYTES + capacity
@@ -145,9 +143,7 @@ class PayloadAllGather(ExchangeStrategy):
             self._combine(group, heads, encoded)
 
         self._in_flight.append(record)
-        started = time.perf_counter()
-        frames = gather_frames(payload, capacity, context.process_group, valid=finite)
-        return frames.then(guarded(context, group, "AllGather of frames", started, finish))
+        return Exchange(context, group, gather_frames(payload, capacity, context.process_group, valid=finite), finish)
 
     def settle(self) -> None:
         """Fetch what did not fit the frames, in launch order (every rank saw the same lengths,

@@ -1,18 +1,21 @@
-"""What every exchange strategy shares: its context, its entry point, and the callback guard.
+"""What every exchange strategy shares: its context, its entry point, and the exchange in flight.
 
 A strategy takes a :class:`~gradwire.hook.group.BucketGroup` whose gradients are selected (or
 not, for dense ones), moves it between ranks and writes the averaged result into the group's
-buffers. ``start(group)`` returns a Future that completes once the group is finished on this
-rank: written, found non-finite, or failed. It never raises for a communication error and never
-resolves DDP's Futures itself — the step's end does both, on every rank alike
-(:mod:`gradwire.hook.step`).
+buffers. ``start(group)`` returns an :class:`Exchange`: the collective in flight and what to do
+with its result. Completing it (:meth:`Exchange.complete`, on the hook's thread: at a later
+bucket if it has arrived, else at the step's end) finishes the group on this rank: written, found
+non-finite, or failed. It never raises for a communication error and never resolves DDP's Futures
+itself — the step's end does both, on every rank alike (:mod:`gradwire.hook.step`).
 
-Rules every strategy keeps, because ranks must issue collectives in the same order:
+Rules every strategy keeps:
 
 * collectives are launched from ``start`` (the hook's thread, in bucket order) or from
-  ``settle`` (the same thread, at the step's last bucket), never from a completion callback;
-* a completion callback calls ``future.value()`` first, so a failed collective is seen
-  (:func:`guarded`), and records its outcome on the group instead of raising.
+  ``settle`` (the same thread, at the step's last bucket): ranks must issue them in one order;
+* nothing runs on a backend thread (no ``Future.then``): a callback there can kill the process
+  at interpreter exit (:mod:`gradwire.exchange.inflight`);
+* a collective's buffers are read only after its wait succeeded, so a failed collective is seen
+  as a :class:`~gradwire.errors.CollectiveError` naming it and the step, recorded on the group.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError
+from ...exchange.inflight import Launched
 from ...stats import ExchangeStats
 from ..config import HookConfig
 from ..group import BucketGroup
@@ -55,42 +58,53 @@ class ExchangeStrategy(ABC):
         self.context = context
 
     @abstractmethod
-    def start(self, group: BucketGroup) -> torch.futures.Future:
-        """Launch the exchange of ``group``; the Future completes when the group is finished here."""
+    def start(self, group: BucketGroup) -> "Exchange":
+        """Launch the exchange of ``group``; completing the result finishes the group here."""
 
     def settle(self) -> None:
-        """At the step's last bucket, after every Future of the step completed: any second round."""
+        """At the step's last bucket, after every exchange of the step completed: any second round."""
 
     def reset(self) -> None:
         """Forget what carries across steps (e.g. after loading a checkpoint on every rank)."""
 
 
-def done_future(value: Any = None) -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return future
+class Exchange:
+    """One group's exchange in flight: ``launched`` (None: nothing in flight, the group is already
+    finished or failed) and ``finish(value)``, which averages its result into the group.
 
+    Holding an Exchange holds its collective's ``Work``; the hook lets go of a step's exchanges at
+    the next step's first bucket, so a backend thread never frees their tensors (see
+    :mod:`gradwire.exchange.inflight`)."""
 
-def guarded(context: ExchangeContext, group: BucketGroup, collective: str, started: float,
-            finish: Callable[[Any], None]) -> Callable[[torch.futures.Future], None]:
-    """A completion callback for ``collective``: re-raise a failed collective as a
-    :class:`CollectiveError` naming it and the step, run ``finish(value)`` otherwise; either
-    way the outcome is recorded on ``group``, never raised into the backend's thread."""
+    def __init__(self, context: ExchangeContext, group: BucketGroup, launched: Optional[Launched] = None,
+                 finish: Optional[Callable[[Any], None]] = None) -> None:
+        self.context, self.group, self.launched, self.finish = context, group, launched, finish
+        self.step = context.step
+        self.started = time.perf_counter()
+        self.completed = launched is None
 
-    step = context.step
+    def done(self) -> bool:
+        """Whether :meth:`complete` would return without waiting on the wire."""
+        return self.completed or self.launched.done()
 
-    def callback(future: torch.futures.Future) -> None:
+    def complete(self, timeout: Optional[float] = None) -> None:
+        """Wait up to ``timeout`` seconds, then finish the group; a failed or late collective
+        marks the group failed (the step's end then fails every rank together), never raises."""
+        if self.completed:
+            return
+        self.completed = True
+        launched = self.launched
         try:
             try:
-                value = future.value()
+                value = launched.result(timeout)
             except BaseException as error:
-                raise CollectiveError(f"{collective} failed at step {step}: {error}") from error
-            context.stats.add("seconds_communicate", time.perf_counter() - started)
-            finish(value)
+                raise CollectiveError(f"{launched.collective} failed at step {self.step}: {error}") from error
+            # launch to completion as the hook's thread saw it: an upper bound on time on the wire
+            self.context.stats.add("seconds_communicate", time.perf_counter() - self.started)
+            if self.finish is not None:
+                self.finish(value)
         except BaseException as error:  # recorded; the step's end makes every rank fail together
-            group.mark_failed(error)
-
-    return callback
+            self.group.mark_failed(error)
 
 
 def run_guarded(group: BucketGroup, action: Callable[[], None]) -> None:

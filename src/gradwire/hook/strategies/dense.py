@@ -4,13 +4,12 @@ fallback of ``auto`` when the cost model predicts no saving."""
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from ...exchange import allreduce_sum, ring_allreduce_bytes
 from ..group import BucketGroup, all_finite
-from .base import ExchangeStrategy, guarded
+from .base import Exchange, ExchangeStrategy
 
 
 class DenseAllReduce(ExchangeStrategy):
@@ -22,7 +21,7 @@ class DenseAllReduce(ExchangeStrategy):
 
     name = "dense"
 
-    def start(self, group: BucketGroup, *, compensated: bool = False, finite: bool = True) -> torch.futures.Future:
+    def start(self, group: BucketGroup, *, compensated: bool = False, finite: bool = True) -> Exchange:
         context = self.context
         flat = self._compensated_flat(group, finite) if compensated else group.flat_gradient()
         element_size = group.buffers[0].element_size()
@@ -39,9 +38,8 @@ class DenseAllReduce(ExchangeStrategy):
             summed.div_(world)
             group.write(summed)
 
-        started = time.perf_counter()
-        return allreduce_sum(flat, context.process_group).then(
-            guarded(context, group, "AllReduce (dense)", started, finish))
+        summed = allreduce_sum(flat, context.process_group, collective="AllReduce (dense)")
+        return Exchange(context, group, summed, finish)
 
     @staticmethod
     def _compensated_flat(group: BucketGroup, finite: bool) -> torch.Tensor:

@@ -11,7 +11,7 @@ from ...errors import CollectiveError, DecodeError
 from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
 from ...sparsify.base import Sparsifier
 from ..group import BucketGroup
-from .base import ExchangeContext, ExchangeStrategy, done_future, run_guarded
+from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 from .sparse_allreduce import RegionCodecAdapter, averaged_output
 
 
@@ -58,9 +58,9 @@ class HierarchicalExchange(ExchangeStrategy):
             self._hierarchy = built
         return self._hierarchy
 
-    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> torch.futures.Future:
+    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> Exchange:
         run_guarded(group, lambda: self._run(group, finite, k))
-        return done_future()
+        return Exchange(self.context, group)
 
     def _run(self, group: BucketGroup, finite: bool, k: Optional[int]) -> None:
         context = self.context

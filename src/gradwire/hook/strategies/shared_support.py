@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ...exchange import allreduce_sum, ring_allreduce_bytes
 from ..config import CAST_VALUE_CODECS
 from ..group import BucketGroup
-from .base import ExchangeStrategy, guarded
+from .base import Exchange, ExchangeStrategy
 
 _WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 assert set(_WIRE_DTYPES) == set(CAST_VALUE_CODECS)
@@ -24,7 +22,7 @@ class SharedSupportAllReduce(ExchangeStrategy):
 
     name = "allreduce"
 
-    def start(self, group: BucketGroup, *, finite: bool = True) -> torch.futures.Future:
+    def start(self, group: BucketGroup, *, finite: bool = True) -> Exchange:
         context = self.context
         wire_dtype = _WIRE_DTYPES.get(context.value_codec.name, torch.float32)
         device = group.device
@@ -53,6 +51,5 @@ class SharedSupportAllReduce(ExchangeStrategy):
                     position += k
                 group.write(out)
 
-        started = time.perf_counter()
-        return allreduce_sum(message, context.process_group).then(
-            guarded(context, group, "AllReduce (shared support)", started, finish))
+        summed = allreduce_sum(message, context.process_group, collective="AllReduce (shared support)")
+        return Exchange(context, group, summed, finish)

@@ -12,7 +12,7 @@ from ...errors import CollectiveError, DecodeError
 from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
 from ..group import BucketGroup, all_finite
-from .base import ExchangeContext, ExchangeStrategy, done_future, run_guarded
+from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 
 #: Steps between refreshes of a layout's regions (one small AllReduce each; Ok-Topk uses 64).
 REGION_REFRESH_STEPS = 64
@@ -65,9 +65,9 @@ class SparseAllReduce(ExchangeStrategy):
     def reset(self) -> None:
         self._regions = {}
 
-    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> torch.futures.Future:
+    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> Exchange:
         run_guarded(group, lambda: self._run(group, finite, k))
-        return done_future()
+        return Exchange(self.context, group)
 
     def _run(self, group: BucketGroup, finite: bool, k: Optional[int]) -> None:
         context = self.context

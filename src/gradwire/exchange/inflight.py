@@ -1,0 +1,53 @@
+"""Collectives in flight, finished on the caller's thread.
+
+:class:`Launched` is gradwire's answer to ``work.get_future().then(callback)``: it waits for its
+``Work`` and runs the finishing function on the thread that asks for the result (the hook's), so
+nothing of ours runs on a backend thread, and it holds the ``Work`` for as long as it is held
+itself. Why both matter (a SIGABRT at interpreter exit otherwise): :mod:`gradwire.lifetime`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+from ..lifetime import track, wait_for
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Launched(Generic[T]):
+    """A collective started with ``async_op=True`` and what to make of its buffers once it completed.
+
+    ``done()`` polls; ``result(timeout)`` waits (raising ``RuntimeError`` naming the collective if it
+    failed or timed out, never reading buffers it did not write), then runs ``finish`` once, on the
+    calling thread, and returns its value. ``map(fn)`` composes on the calling thread too.
+    """
+
+    def __init__(self, work: Any, finish: Callable[[], T], collective: str) -> None:
+        self.work = work  # kept after completion: see the module docstring
+        if work is not None:
+            track(work)
+        self.collective = collective
+        self._finish: Optional[Callable[[], T]] = finish
+        self._value: Any = None
+
+    @classmethod
+    def ready(cls, value: T, collective: str = "no collective") -> "Launched[T]":
+        """Nothing to wait for (a world of one): ``result()`` is ``value``."""
+        return cls(None, lambda: value, collective)
+
+    def done(self) -> bool:
+        return self.work is None or bool(self.work.is_completed())
+
+    def result(self, timeout: Optional[float] = None) -> T:
+        if self._finish is not None:
+            if self.work is not None:
+                wait_for(self.work, timeout, self.collective, keep=False)  # we hold it
+            finish, self._finish = self._finish, None
+            self._value = finish()
+        return self._value
+
+    def map(self, fn: Callable[[T], U]) -> "Launched[U]":
+        """The same collective, its result passed through ``fn`` (on the thread calling ``result``)."""
+        return Launched(self.work, lambda: fn(self.result()), self.collective)

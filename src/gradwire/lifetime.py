@@ -1,0 +1,82 @@
+"""Collectives whose ``Work`` stays referenced from Python after it completed, and why.
+
+A backend thread (gloo's ``pt_gloo_runloop`` workers, NCCL's watchdog) drops its own reference to a
+``Work`` just after marking it complete. If that is the last reference, the ``Work`` is destroyed
+on that thread, and with it the launching thread's saved state and the collective's tensors, which
+hold Python objects: freeing them takes the GIL. A backend thread that needs the GIL while the
+interpreter shuts down (a script that returns right after ``destroy_process_group()``) is stopped
+by Python inside a C++ destructor, and the process dies with SIGABRT ("terminate called without an
+active exception") instead of exiting 0. A ``Future.then`` callback is worse: it runs on that
+thread and is destroyed there, taking the GIL, every time.
+
+The backtrace of such an abort (a core dump of ``scripts/exit_trials.py`` before this module):
+``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` -> ``at::ThreadLocalState::~ThreadLocalState``
+-> ``SafePyObject`` decref -> ``gil_scoped_acquire`` -> ``take_gil`` -> ``PyThread_exit_thread``
+(the interpreter is finalizing) -> forced unwind through a destructor -> ``std::terminate``.
+
+So gradwire never passes a callback to a backend (see :mod:`gradwire.exchange.inflight`) and keeps
+every ``Work`` it starts referenced from Python: asynchronous ones by whoever holds them (the hook
+lets go of a step's at the next step's first bucket; :func:`track` notes them), blocking ones by
+:func:`keep_alive`'s short queue of recent works. The backend thread's release is then never the
+last one, and Python frees the ``Work`` on its own thread, while it is alive. At exit, before the
+interpreter starts finalizing, an ``atexit`` handler gives each work still held one reference that
+is never released: Python's own teardown must not be the one that leaves the last reference to a
+backend thread still letting go of it. The process is ending; the OS takes the memory back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import datetime
+import weakref
+from typing import Any, Deque, Optional
+
+import torch.distributed as dist
+
+#: Blocking rounds' works kept after completion (mostly small: lengths, counts, statuses, the
+#: sparse exchange's regions); once this many later ones were waited for, an old one's backend thread
+#: has long let go of it.
+RECENT_WORKS = 16
+
+_recent: Deque[Any] = collections.deque(maxlen=RECENT_WORKS)
+#: asynchronous works, held by their owners (weakly here: only to find them at exit)
+_tracked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def keep_alive(work: Any) -> None:
+    """Hold a reference to ``work`` (and so to its tensors) until :data:`RECENT_WORKS` later ones
+    were kept: the backend thread that ran it must not be the one to free them (module docstring)."""
+    _recent.append(work)
+
+
+def track(work: Any) -> None:
+    """Note an asynchronous ``work`` its caller holds, so that exit never frees it (module docstring)."""
+    _tracked.add(work)
+
+
+@atexit.register
+def _never_free_at_exit() -> None:
+    for work in [*_recent, *_tracked]:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+
+
+def wait_for(work: Any, timeout: Optional[float], collective: str, *, keep: bool = True) -> None:
+    """Block until ``work`` (a ``dist`` Work) completes; raise ``RuntimeError`` naming
+    ``collective`` if it fails or takes longer than ``timeout`` seconds (None: the group's own).
+    ``keep=False``: the caller holds ``work`` itself (no place in the recent queue)."""
+    if keep:
+        keep_alive(work)
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as error:
+        raise RuntimeError(f"{collective} did not complete within {timeout} s or failed: {error}") from error
+
+
+def barrier(group: Any = None, timeout: Optional[float] = None) -> None:
+    """``dist.barrier`` whose ``Work`` is kept alive (see the module docstring)."""
+    wait_for(dist.barrier(group=group, async_op=True), timeout, "barrier")

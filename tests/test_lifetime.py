@@ -1,0 +1,105 @@
+"""Source rules behind clean exits (gradwire.lifetime): nothing of gradwire runs on a backend
+thread, and no collective's Work is left for a backend thread to free.
+
+The abort they prevent is a race at interpreter exit (about 1 run in 30 before the fix, see
+``scripts/exit_trials.py``); it is too rare for a test to catch, so these check the cause instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradwire.exchange.inflight import Launched
+from gradwire.lifetime import RECENT_WORKS, _never_free_at_exit, _recent, keep_alive, track
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gradwire"
+
+#: torch.distributed calls that start a collective (and return a Work with async_op=True)
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+               "barrier", "broadcast", "gather", "scatter", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object"}
+
+
+def _calls(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            yield node
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_callback_is_ever_handed_to_a_backend_future() -> None:
+    offenders = [f"{path.relative_to(PACKAGE)}:{call.lineno}" for path in _sources() for call in _calls(path)
+                 if call.func.attr in ("then", "add_done_callback")]
+    assert offenders == [], f"Future.then/add_done_callback runs Python on a backend thread: {offenders}"
+
+
+def test_every_collective_is_started_async_and_so_its_work_can_be_kept() -> None:
+    """A blocking ``dist.all_reduce(t)`` drops its Work inside the call: the backend thread may free
+    it (taking the GIL) after the interpreter began shutting down."""
+    offenders = []
+    for path in _sources():
+        for call in _calls(path):
+            if (isinstance(call.func.value, ast.Name) and call.func.value.id == "dist"
+                    and call.func.attr in COLLECTIVES):
+                asynchronous = any(k.arg == "async_op" and isinstance(k.value, ast.Constant) and k.value.value is True
+                                   for k in call.keywords)
+                if not asynchronous:
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{call.lineno} dist.{call.func.attr}")
+    assert offenders == [], f"collectives started without async_op=True (use gradwire.lifetime): {offenders}"
+
+
+def test_keep_alive_holds_the_most_recent_works_only() -> None:
+    works = [torch.zeros(1) for _ in range(RECENT_WORKS + 3)]  # stand-ins: anything referenced
+    for work in works:
+        keep_alive(work)
+    held = list(_recent)
+    assert held == works[-RECENT_WORKS:]
+    assert all(work is not works[0] for work in held)
+
+
+class _Work:
+    """A stand-in for a dist Work: referenced, weakly referenceable, completed."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def test_exit_never_frees_a_work_still_held() -> None:
+    held, recent = _Work(), _Work()
+    launched = Launched(held, lambda: None, "test")  # tracks its work
+    keep_alive(recent)
+    counts = sys.getrefcount(held), sys.getrefcount(recent)
+    _never_free_at_exit()  # what atexit runs: one reference each that is never given back (a leak of two tiny objects)
+    assert (sys.getrefcount(held), sys.getrefcount(recent)) == (counts[0] + 1, counts[1] + 1)
+    assert launched.work is held
+
+
+def test_launched_finishes_on_the_calling_thread_once() -> None:
+    calls = []
+    launched = Launched(None, lambda: calls.append("finish") or 7, "test")
+    doubled = launched.map(lambda value: value * 2)
+    assert launched.done()
+    assert doubled.result() == 14 and launched.result() == 7
+    assert calls == ["finish"]
+
+
+def test_launched_ready_needs_no_collective() -> None:
+    assert Launched.ready([1, 2]).result() == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["then", "add_done_callback"])
+def test_the_callback_rule_would_catch_an_offender(tmp_path: Path, name: str) -> None:
+    source = tmp_path / "offender.py"
+    source.write_text(f"def f(work):\n    return work.get_future().{name}(print)\n")
+    assert [call.func.attr for call in _calls(source)].count(name) == 1
