@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--collectives", default=",".join(sorted(KILL_CASES)))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"{'collective':<10} {'trials':>6} {'raised':>7} {'max s after death':>18} {'steps after death':>18}")
+    print(f"{'collective':<16} {'trials':>6} {'raised':>7} {'max s after death':>18} {'steps after death':>18}")
     for case in args.collectives.split(","):
         raised = total = late_steps = 0
         slowest = 0.0
@@ -38,7 +38,7 @@ def main() -> None:
                 late_steps += max(0, report["steps"] - 3)
                 if report["seconds_after_death"] is not None:
                     slowest = max(slowest, report["seconds_after_death"])
-        print(f"{case:<10} {args.trials:>6} {raised:>3}/{total:<3} {slowest:>18.2f} {late_steps:>18}", flush=True)
+        print(f"{case:<16} {args.trials:>6} {raised:>3}/{total:<3} {slowest:>18.2f} {late_steps:>18}", flush=True)
 
 
 if __name__ == "__main__":

@@ -219,9 +219,9 @@ def worker_stuck_peer(rank: int, world_size: int, collective: str) -> dict:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("collective", ["sparse-allreduce", "allgather"])
-def test_a_stuck_peer_fails_the_step_after_the_collective_timeout(collective: str) -> None:
-    results, _ = run_workers_some_die(worker_stuck_peer, 2, collective, timeout=150, pg_timeout=60)
+def test_a_stuck_peer_fails_the_step_after_the_collective_timeout() -> None:
+    """The sparse AllReduce's blocking rounds (the AllGather's are bounded by the step's end)."""
+    results, _ = run_workers_some_die(worker_stuck_peer, 2, "sparse-allreduce", timeout=150, pg_timeout=60)
     ok, report = results[0]
     assert ok, report
     assert report["step"] == 2 and report["error"] is not None, report

@@ -79,7 +79,9 @@ class CommHookState:
         verify: ``"digest"`` (default: ranks compare a hash of the averaged gradients every step
             and all raise if they differ) or ``"none"``.
         collective_timeout: seconds after which an unfinished exchange fails the step on every
-            rank (default 120; gloo's own is 30 minutes).
+            rank: the step's in-flight exchanges together, and each blocking round (lengths,
+            sparse AllReduce rounds, calibration, the step-end agreement) on its own (default 120;
+            gloo's own is 30 minutes).
         model: the model (DDP-wrapped or not); needed for :meth:`state_dict` names and stable
             per-parameter random streams.
         log_every: log :meth:`stats` every N steps at INFO level (0: never).
