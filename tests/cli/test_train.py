@@ -65,7 +65,8 @@ def test_train_smoke_every_method_family(tmp_path) -> None:
     assert [s["method"] for s in summaries] == methods
     by_method = {s["method"]: s for s in summaries}
     for summary in summaries:
-        assert summary["status"] == "ok" and summary["steps"] == 8 and 0.0 <= summary["test_accuracy"] <= 1.0
+        # evaluated after training (NaN when evaluation was skipped or the method diverged)
+        assert summary["status"] == "ok" and summary["steps"] == 8 and not math.isnan(summary["test_accuracy"])
     dense = by_method["allreduce"]["bytes_per_step"]
     assert by_method["torch-fp16"]["bytes_per_step"] == pytest.approx(dense / 2)
     assert by_method["topk:density=0.05,values=fp16,indices=rice"]["bytes_per_step"] < dense / 5
