@@ -109,7 +109,7 @@ class CommHookState:
         self._step_groups: list[BucketGroup] = []
         self._in_flight: list[Exchange] = []
         #: the last step's exchanges, held (with their collectives' Work) until the next step's
-        #: first bucket, so no backend thread frees their tensors (gradwire.exchange.inflight)
+        #: first bucket, so no backend thread frees their tensors (gradwire.lifetime)
         self._last_step: list[Exchange] = []
         #: built at first use, when the process group is up
         self._strategies: Optional[dict[str, ExchangeStrategy]] = None

@@ -13,7 +13,7 @@ Rules every strategy keeps:
 * collectives are launched from ``start`` (the hook's thread, in bucket order) or from
   ``settle`` (the same thread, at the step's last bucket): ranks must issue them in one order;
 * nothing runs on a backend thread (no ``Future.then``): a callback there can kill the process
-  at interpreter exit (:mod:`gradwire.exchange.inflight`);
+  at interpreter exit (:mod:`gradwire.lifetime`);
 * a collective's buffers are read only after its wait succeeded, so a failed collective is seen
   as a :class:`~gradwire.errors.CollectiveError` naming it and the step, recorded on the group.
 """
@@ -74,7 +74,7 @@ class Exchange:
 
     Holding an Exchange holds its collective's ``Work``; the hook lets go of a step's exchanges at
     the next step's first bucket, so a backend thread never frees their tensors (see
-    :mod:`gradwire.exchange.inflight`)."""
+    :mod:`gradwire.lifetime`)."""
 
     def __init__(self, context: ExchangeContext, group: BucketGroup, launched: Optional[Launched] = None,
                  finish: Optional[Callable[[Any], None]] = None) -> None:
