@@ -17,7 +17,8 @@ import torch
 
 from ..sparse import SparseTensor
 from . import gaussian, nonzero, random, sampled, threshold, topk  # noqa: F401  (each registers itself)
-from .base import BudgetSparsifier, Sparsifier, get_sparsifier, register_sparsifier, sparsifier_classes
+from .base import (BudgetSparsifier, DataSizedSparsifier, Sparsifier, get_sparsifier, register_sparsifier,
+                   sparsifier_classes)
 from .scope import select_global, select_layerwise
 
 
@@ -35,6 +36,7 @@ def sparsify(flat: torch.Tensor, sparsifier: Sparsifier, *, step: int = 0, tenso
 
 __all__ = [
     "BudgetSparsifier",
+    "DataSizedSparsifier",
     "Sparsifier",
     "get_sparsifier",
     "register_sparsifier",

@@ -77,6 +77,17 @@ class Sparsifier(Configurable, ABC):
         """
 
 
+class DataSizedSparsifier(Sparsifier):
+    """A sparsifier whose count the data decides (``threshold``, ``nonzero``): no target, and
+    anything from 0 to ``numel`` elements."""
+
+    def target_k(self, numel: int) -> None:
+        return None
+
+    def count_bounds(self, numel: int) -> tuple[int, int]:
+        return 0, max(0, numel)
+
+
 class BudgetSparsifier(Sparsifier):
     """A sparsifier told how many elements to keep: exactly one of ``density`` or ``k``.
 
@@ -90,9 +101,7 @@ class BudgetSparsifier(Sparsifier):
     def __init__(self, *, density: float | None = None, k: int | None = None, seed: int = 0) -> None:
         if (density is None) == (k is None):
             raise ValueError(f"{self.name} needs exactly one of density or k (got density={density!r}, k={k!r})")
-        if density is not None and not (
-            isinstance(density, (int, float)) and not isinstance(density, bool) and 0.0 < density <= 1.0
-        ):
+        if density is not None and not is_density(density):
             raise ValueError(f"density={density!r} must be in (0, 1]")
         if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
             raise ValueError(f"k={k!r} must be an integer >= 1")
@@ -125,6 +134,11 @@ class BudgetSparsifier(Sparsifier):
     @abstractmethod
     def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
         """Indices of about ``k`` (within :meth:`count_bounds`) elements, ``1 <= k < numel``."""
+
+
+def is_density(value: object) -> bool:
+    """Whether ``value`` is a number in (0, 1] (booleans are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0
 
 
 def check_seed(seed: int) -> int:

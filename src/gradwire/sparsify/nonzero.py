@@ -22,27 +22,20 @@ from __future__ import annotations
 
 import torch
 
-from .base import Sparsifier, check_seed, register_sparsifier
+from .base import DataSizedSparsifier, check_seed, is_density, register_sparsifier
 
 
 @register_sparsifier
-class NonZero(Sparsifier):
+class NonZero(DataSizedSparsifier):
     """Keep every element ``x`` with ``x != 0`` (NaN included)."""
 
     name = "nonzero"
 
     def __init__(self, *, density: "float | None" = None, seed: int = 0) -> None:
-        if density is not None and not (isinstance(density, (int, float)) and not isinstance(density, bool)
-                                        and 0.0 < density <= 1.0):
+        if density is not None and not is_density(density):
             raise ValueError(f"density={density!r} must be in (0, 1] (nonzero ignores it)")
         self.density = None if density is None else float(density)
         self.seed = check_seed(seed)
-
-    def target_k(self, numel: int) -> None:
-        return None
-
-    def count_bounds(self, numel: int) -> tuple[int, int]:
-        return 0, max(0, numel)
 
     def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
         return torch.nonzero(flat).view(-1)

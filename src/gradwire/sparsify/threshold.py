@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .base import Sparsifier, check_seed, register_sparsifier
+from .base import DataSizedSparsifier, check_seed, register_sparsifier
 
 #: Elements per pass on the CPU. A full-size ``abs`` temporary of a large tensor costs more in
 #: fresh page faults (~70 ms per 64 MB measured here) than the arithmetic itself; one 4 Mi-element
@@ -74,7 +74,7 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 @register_sparsifier
-class Threshold(Sparsifier):
+class Threshold(DataSizedSparsifier):
     """Keep every element with ``|x| >= threshold``; the count ranges from 0 to ``numel``.
 
     ``threshold`` > 0 is in the gradient's units. ``target_k`` is None (no target).
@@ -88,12 +88,6 @@ class Threshold(Sparsifier):
             raise ValueError(f"threshold={threshold!r} must be a finite number > 0")
         self.threshold = float(threshold)
         self.seed = check_seed(seed)
-
-    def target_k(self, numel: int) -> None:
-        return None
-
-    def count_bounds(self, numel: int) -> tuple[int, int]:
-        return 0, max(0, numel)
 
     def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
         return indices_at_or_above(flat, self.threshold)
