@@ -62,17 +62,17 @@ def _never_free_at_exit() -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
 
 
-def wait_for(work: Any, timeout: Optional[float], collective: str, *, keep: bool = True) -> None:
+def wait_for(work: Any, timeout: Optional[float], collective: str, *, keep: bool = True) -> Any:
     """Block until ``work`` (a ``dist`` Work) completes; raise ``RuntimeError`` naming
     ``collective`` if it fails or takes longer than ``timeout`` seconds (None: the group's own).
+    Returns what ``work.wait()`` returned (some backends report failure as False).
     ``keep=False``: the caller holds ``work`` itself (no place in the recent queue)."""
     if keep:
         keep_alive(work)
     try:
         if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            return work.wait()
+        return work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as error:
         raise RuntimeError(f"{collective} did not complete within {timeout} s or failed: {error}") from error
 

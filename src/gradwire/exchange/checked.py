@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import datetime
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from ..lifetime import keep_alive
+from ..lifetime import wait_for
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -54,17 +53,13 @@ def time_limit(seconds: Optional[float]) -> Iterator[None]:
 def wait_checked(work: object, what: str, collective: str) -> None:
     """Wait for ``work``; raise :class:`CollectiveError` naming ``collective`` if it failed or
     outlasted :func:`time_limit`."""
-    keep_alive(work)  # its tensors must not be freed by the backend's thread (gradwire.lifetime)
     seconds = _time_limit.get()
     try:
-        if seconds is None:
-            ok = work.wait()  # type: ignore[attr-defined]
-        else:
-            ok = work.wait(timeout=datetime.timedelta(seconds=seconds))  # type: ignore[attr-defined]
-    except Exception as error:  # gloo raises on a closed connection or a timeout
+        ok = wait_for(work, seconds, collective)  # keeps the Work alive (gradwire.lifetime)
+    except RuntimeError as error:  # gloo raises on a closed connection or a timeout
         limit = f" (time limit {seconds} s: a peer may be dead, stuck, or training without the gradwire hook)" \
             if seconds is not None else ""
-        raise CollectiveError(f"{what}: {collective} failed{limit}: {error}") from error
+        raise CollectiveError(f"{what}: {collective} failed{limit}: {error.__cause__ or error}") from error
     if ok is False:  # some backends report failure by returning False instead of raising
         raise CollectiveError(f"{what}: {collective} failed (work reported no success)")
 
