@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradwire
-from gradwire.data import load
-from gradwire.models import build_model
+from gradwire.harness.data import load
+from gradwire.harness.models import build_model
 
 
 def train(method: str, args: argparse.Namespace, device: torch.device) -> dict:

@@ -45,7 +45,7 @@ def custom_loop(steps: int = 5):
         exchange.synchronize()  # every .grad is now the compressed average over ranks
         optimizer.step()
     # [/readme]
-    return model, exchange.state
+    return model, exchange
 
 
 if __name__ == "__main__":

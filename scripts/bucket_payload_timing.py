@@ -1,7 +1,7 @@
 """Encode/decode time of one ResNet-18 step's payload: joined (one record) vs one record per parameter.
 
 Top-k 1% of every parameter of ResNet-18 (random gradients, one bucket holding all 62 tensors,
-one thread), the way the hook encodes a bucket now (``bucket_payload``, joined for lossless
+one thread), the way the hook encodes a bucket now (``gradwire.core.payload``, joined for lossless
 index codecs) and the way it did before (``codecs.encode_tensors`` with one record per tensor).
 
     python scripts/bucket_payload_timing.py
@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from gradwire import codecs
-from gradwire.bucket_payload import Part, decode_bucket, encode_bucket
-from gradwire.models import build_model
+from gradwire.core.payload import Part, decode_bucket, encode_bucket
+from gradwire.harness.models import build_model
 from gradwire.sparsify import get_sparsifier
 
 

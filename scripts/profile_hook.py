@@ -33,8 +33,8 @@ def _worker(rank: int, world: int, port: int, specs: list[str], steps: int, prof
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     import gradwire
-    from gradwire.methods import parse_method
-    from gradwire.models import build_model
+    from gradwire.harness.methods import parse_method
+    from gradwire.harness.models import build_model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     for spec_text in specs:

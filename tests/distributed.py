@@ -47,6 +47,11 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291):
+    # hand the result over, then leave without the interpreter's teardown
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def _spawn(fn: Callable, world_size: int, args: tuple, pg_timeout: float) -> tuple[Any, list[Any]]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradwire import DecodeError, codecs
-from gradwire.bucket_payload import Part, decode_bucket, encode_bucket, joins
+from gradwire.core.payload import Part, decode_bucket, encode_bucket, joins
 
 
 def _parts(offsets: list[int], sizes: list[int], density: float = 0.05) -> list[Part]:

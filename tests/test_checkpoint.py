@@ -27,7 +27,7 @@ def _steps(model: torch.nn.Module, rank: int, steps: int) -> None:
         model(inputs).square().sum().backward()
 
 
-def _trained_state(options: dict | None = None) -> tuple[torch.nn.Module, gradwire.CommHookState]:
+def _trained_state(options: dict | None = None) -> tuple[torch.nn.Module, gradwire.GradientExchange]:
     """World size 1 without a process group: the hook runs as one rank."""
     model = _model()
     exchange = gradwire.GradientExchange(model, **(options or {"compressor": "topk", "density": 0.1,
@@ -35,7 +35,7 @@ def _trained_state(options: dict | None = None) -> tuple[torch.nn.Module, gradwi
     for step in range(2):
         _steps(model, 0, 1)
         exchange.synchronize()
-    return model, exchange.state
+    return model, exchange
 
 
 def _roundtrip(state: dict) -> dict:

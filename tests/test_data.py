@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradwire import data
+from gradwire.harness import data
 
 
 def test_mnist5k_is_bundled_balanced_and_split_the_same_way() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradwire.exchange import CostModel, allgather_bytes, allreduce_sum, ring_allreduce_bytes
-from gradwire.feedback import ErrorFeedback, MomentumCorrection
+from gradwire.core.feedback import ErrorFeedback, MomentumCorrection
 
 
 def test_error_feedback_invariant_is_exact() -> None:
@@ -69,7 +69,7 @@ def test_collectives_are_identity_for_one_rank() -> None:
 
 
 def test_finite_check_is_exact() -> None:
-    from gradwire.hook.group import all_finite as _all_finite
+    from gradwire.core.group import all_finite as _all_finite
 
     assert _all_finite(torch.randn(1000))
     assert _all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the values do not

@@ -248,7 +248,7 @@ def worker_plain(rank: int, world_size: int) -> float:
     residual_sum = []
     for parameter in model.parameters():
         # a parameter whose bucket went dense (auto: tiny tensors) has no residual left
-        residual = exchange.state.feedback.residuals.get(id(parameter), torch.zeros(parameter.numel(), dtype=torch.float64))
+        residual = exchange.feedback.residuals.get(id(parameter), torch.zeros(parameter.numel(), dtype=torch.float64))
         residual = residual.reshape(parameter.shape).clone()
         dist.all_reduce(residual)
         residual_sum.append(residual / world_size)
@@ -283,7 +283,7 @@ def worker_frames(rank: int, world_size: int) -> tuple[float, dict]:
             accumulated += parameter.grad
     error = 0.0
     for parameter, got, want in zip(model.parameters(), received, total):
-        residual = exchange.state.feedback.residuals[id(parameter)].reshape(parameter.shape).clone()
+        residual = exchange.feedback.residuals[id(parameter)].reshape(parameter.shape).clone()
         dist.all_reduce(residual)
         error = max(error, float((got + residual / world_size - want).abs().max()))
     return error, exchange.stats()
@@ -312,7 +312,7 @@ def worker_lying_length(rank: int, world_size: int, lie_step: int) -> str:
 
     def encode(*args, **kwargs):
         encoded = honest(*args, **kwargs)
-        if rank == 1 and exchange.state.iteration == lie_step:
+        if rank == 1 and exchange.iteration == lie_step:
             encoded = type(encoded)(_LyingBytes(encoded.payload), encoded.tensors)
         return encoded
 
@@ -324,7 +324,7 @@ def worker_lying_length(rank: int, world_size: int, lie_step: int) -> str:
             torch.nn.functional.cross_entropy(model(inputs), targets).backward()
             exchange.synchronize()
     except gradwire.DecodeError as error:
-        return f"{exchange.state.iteration}: {error}"
+        return f"{exchange.iteration}: {error}"
     finally:
         codec_layer.encode_tensors = honest
     return "no error"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gradwire.hook import CommHookState, HookConfig
-from gradwire.hook.frames import FrameSizes
-from gradwire.hook.group import BucketGroup, Entry
+from gradwire.core.frames import FrameSizes
+from gradwire.core.group import BufferTarget, Entry, Group
 
 from .distributed import run_workers
 
@@ -87,7 +87,7 @@ def test_frames_refuse_bad_parameters() -> None:
 # ------------------------------------------------------------------------------------ groups
 def test_group_signature_follows_layout() -> None:
     buffer = torch.zeros(10)
-    group = BucketGroup(buffers=[buffer], entries=[Entry("w", 3, buffer[:6], 0), Entry("b", 4, buffer[6:], 6)])
+    group = Group(BufferTarget([buffer]), entries=[Entry("w", 3, buffer[:6], 0), Entry("b", 4, buffer[6:], 6)])
     assert group.signature() == (10, 3, 4)
     assert group.output_buffer(torch.float32).data_ptr() == buffer.data_ptr()
 

@@ -50,7 +50,7 @@ def _train(rank: int, options: dict | None, steps: int) -> tuple[str, dict, DDP]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     stats = state.stats() if state is not None else {}
     if state is not None:
-        stats["choices"] = sorted(set(state._choices.values()))
+        stats["choices"] = sorted(set(state.pipeline.planner.choices.values())) if state.pipeline.planner else []
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest(), stats, model
 
 

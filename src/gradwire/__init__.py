@@ -8,19 +8,23 @@ One line in a DDP script::
 from __future__ import annotations
 
 from . import codecs
-from .errors import DecodeError
+from .errors import CollectiveError, DecodeError, DivergenceError, NonFiniteGradientError, StepFailedError
 from .sparse import SparseTensor
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # the hook layer pulls in sparsify/exchange; load it on first use
-    if name in ("CommHookState", "HookConfig", "comm_hook", "NonFiniteGradientError"):
-        from . import hook
+def __getattr__(name: str):  # the core pulls in sparsify/exchange; load it on first use
+    if name in ("CommHookState", "HookConfig", "comm_hook"):
+        from . import ddp
 
-        return getattr(hook, name)
+        return getattr(ddp, name)
+    if name == "ExchangeConfig":
+        from .core.config import ExchangeConfig
+
+        return ExchangeConfig
     if name == "GradientExchange":
-        from .plain import GradientExchange
+        from .tensors import GradientExchange
 
         return GradientExchange
     if name == "lowrank":
@@ -31,12 +35,16 @@ def __getattr__(name: str):  # the hook layer pulls in sparsify/exchange; load i
 
 
 __all__ = [
+    "CollectiveError",
     "CommHookState",
     "DecodeError",
+    "DivergenceError",
+    "ExchangeConfig",
     "GradientExchange",
     "HookConfig",
     "NonFiniteGradientError",
     "SparseTensor",
+    "StepFailedError",
     "codecs",
     "comm_hook",
     "lowrank",

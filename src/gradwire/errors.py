@@ -43,3 +43,7 @@ class StepFailedError(RuntimeError):
 class DivergenceError(RuntimeError):
     """Ranks computed different averaged gradients for the same step (a corrupted payload that
     still passed its checksum, or a bug): every rank raises before any of them steps."""
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf on some rank (raised on every rank, together)."""

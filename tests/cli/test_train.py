@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gradwire.methods import parse_method
+from gradwire.harness.methods import parse_method
 
 
 def test_method_specs_parse() -> None:

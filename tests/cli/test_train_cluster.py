@@ -12,7 +12,7 @@ import pytest
 
 from gradwire.cli.train import launch
 from gradwire.cluster import cluster_available
-from gradwire.training import TrainConfig
+from gradwire.harness.training import TrainConfig
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

@@ -13,4 +13,4 @@ write_result({"steps": stats["step"], "sent": stats["total_bytes_sent"], "dense"
               "norm": stats["residual_norm"], "restored_norm": state2.stats()["residual_norm"],
               "restored_iteration": state2.iteration, "digest": digest,
               "restored_digest": [float(p.detach().double().sum()) for p in model2.parameters()],
-              "world": accelerator.num_processes})
+              "world": accelerator.num_processes}, run_exit_handlers=True)  # the idle warning is printed at exit

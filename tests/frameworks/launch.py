@@ -43,8 +43,25 @@ def results(out: Path, nproc: int = 2) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)]
 
 
-def write_result(result: dict[str, Any]) -> None:
-    """Called by a worker script: this rank's findings, as JSON."""
+def write_result(result: dict[str, Any], *, run_exit_handlers: bool = False) -> None:
+    """A worker script's last call: write this rank's findings as JSON, tear the process group down
+    and leave with ``os._exit(0)``. PyTorch itself can abort at interpreter exit after gloo
+    collectives (pytorch PR #179291), with no gradwire code involved; skipping the interpreter's
+    teardown keeps every run's exit status honest. ``run_exit_handlers``: run the ``atexit``
+    handlers first (a test of what a script prints at exit)."""
+    import atexit
+
+    import torch.distributed as dist
+
     rank = int(os.environ["RANK"])
     with open(os.path.join(os.environ["GRADWIRE_TEST_OUT"], f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if run_exit_handlers:
+        atexit._run_exitfuncs()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

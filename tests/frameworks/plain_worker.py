@@ -29,4 +29,3 @@ try:
 except ValueError as error:
     result["other_rank_error"] = str(error)
 write_result(result)
-dist.destroy_process_group()

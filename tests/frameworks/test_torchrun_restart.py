@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradwire.training import file_slug
+from gradwire.harness.training import file_slug
 
 from ..distributed import free_port
 from .launch import ROOT

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gradwire.lowrank import factorize
-from gradwire.models import MODELS, build_model
+from gradwire.harness.models import MODELS, build_model
 
 
 def count(model: nn.Module) -> int:

@@ -7,7 +7,7 @@ import torch
 
 from gradwire.cli.main import main
 from gradwire.lowrank import factorize, summarize
-from gradwire.models import build_model
+from gradwire.harness.models import build_model
 
 
 def rows_by_name(summary) -> dict:

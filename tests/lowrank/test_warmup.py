@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from gradwire.lowrank import LowRankConv2d, Warmup
-from gradwire.models import build_model
+from gradwire.harness.models import build_model
 
 from ..distributed import run_workers
 
@@ -80,7 +80,7 @@ def test_zero_warmup_epochs_factorizes_at_once_with_extra_bn() -> None:
 
 
 def test_loss_keeps_decreasing_across_the_switch_on_mnist5k() -> None:
-    from gradwire.data import load
+    from gradwire.harness.data import load
 
     train, _ = load("mnist5k")
     images, labels = train.tensors[0][:512], train.tensors[1][:512]

@@ -51,8 +51,8 @@ LSTM_PAIRS: list[tuple[str, str, str, dict[str, Any]]] = [
 
 def lstm_gradient(steps: int = 3, seed: int = 0, batch: int = 20, seq_len: int = 35) -> list[tuple[str, torch.Tensor]]:
     """(name, gradient) of every parameter of the 3.6M-parameter LSTM LM after ``steps`` steps."""
-    from ..data import python_source_words
-    from ..models.lstm import LSTMLanguageModel
+    from ..harness.data import python_source_words
+    from ..harness.models.lstm import LSTMLanguageModel
 
     tokens, vocab = python_source_words(10_000, max_bytes=2_000_000)
     torch.manual_seed(seed)

@@ -89,8 +89,8 @@ def synthetic_gradient(numel: int, density: float, seed: int = 0) -> tuple[np.nd
 
 def mnist_gradient(steps: int = 3, seed: int = 0) -> torch.Tensor:
     """The flattened gradient of the small CNN after ``steps`` SGD steps on MNIST-5k."""
-    from ..data import load
-    from ..models import build_model
+    from ..harness.data import load
+    from ..harness.models import build_model
 
     torch.manual_seed(seed)
     train, _ = load("mnist5k")

@@ -23,7 +23,7 @@ import math
 import os
 from typing import Any
 
-from ..training import file_slug, median
+from ..harness.training import file_slug, median
 from ..tables import format_table
 
 DEFAULT_METHODS = [
@@ -72,7 +72,7 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
             out: str | None = None, data: str | None = None, warmup_steps: int | None = None,
             seed: int = 0) -> list[dict[str, Any]]:
     from ..cli.train import launch
-    from ..training import TrainConfig
+    from ..harness.training import TrainConfig
 
     config = TrainConfig(methods=methods, model=model or args.model, data=data if data is not None else args.data,
                          epochs=epochs, steps_per_epoch=None if full_epochs else args.steps + args.warmup_steps,

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..lowrank.factorize import factorize
 from ..lowrank.report import format_table
-from ..models import MODELS, build_model
+from ..harness.models import MODELS, build_model
 
 BYTES_PER_PARAMETER = 4  # float32 gradients
 

@@ -6,8 +6,8 @@ cost model of :mod:`gradwire.exchange.alphabeta` for models and worker counts no
 run (p = 16 … 1024 at 10 / 25 / 100 Gbit/s) and asks, per point:
 
 * which strategy the model predicts fastest (``winner``), with the measured constants;
-* what ``collective="auto"`` would choose there (:func:`gradwire.hook.choice.candidates` and
-  :func:`~gradwire.hook.choice.choose_strategy`, with the hook's own *estimate* of the bytes per
+* what ``collective="auto"`` would choose there (:func:`gradwire.core.planner.candidates` and
+  :func:`~gradwire.core.planner.choose_strategy`, with the hook's own *estimate* of the bytes per
   entry from the codecs, not the measured one): ``auto_ok`` says whether it picks the winner;
 * the sparse AllReduce's per-worker volume in units of ``k`` (the issue's target: ≤ 6);
 * the smallest p at which the payload AllGather of top-k becomes slower than dense AllReduce.
@@ -33,8 +33,8 @@ from ..exchange.alphabeta import (
     hierarchical_cost,
     sparse_allreduce_cost,
 )
-from ..hook.choice import Calibration, candidates, choose_strategy, entry_bytes
-from ..hook.config import HookConfig
+from ..core.planner import Calibration, candidates, choose_strategy, entry_bytes
+from ..core.config import ExchangeConfig
 
 #: model name -> parameters (ResNet-50: torchvision's 25,557,032)
 PROJECTED_MODELS = {"resnet50": 25_557_032, "1b": 1_000_000_000}
@@ -70,7 +70,7 @@ def decode_seconds_per_entry(values: str, indices: str, *, numel: int = 1 << 22,
                              repeats: int = 5) -> float:
     """CPU seconds to decode one entry of a payload coded with ``values``/``indices`` (best of
     ``repeats``, one thread: what one worker of a busy machine gets at best)."""
-    value_codec, index_codec = HookConfig(value_codec=values, index_codec=indices).build_codecs()
+    value_codec, index_codec = ExchangeConfig(value_codec=values, index_codec=indices).build_codecs()
     generator = torch.Generator().manual_seed(0)
     k = max(1, round(density * numel))
     positions = torch.sort(torch.randperm(numel, generator=generator)[:k]).values
@@ -118,7 +118,7 @@ def project_point(numel: int, density: float, world_size: int, gbit: float, cons
     order = {name: i for i, name in enumerate(STRATEGY_NAMES)}
     winner = min(seconds, key=lambda name: (seconds[name], order[name]))
     # auto as the hook runs it: its own bytes-per-entry estimate from the codecs
-    value_codec, index_codec = HookConfig(value_codec=constants.values, index_codec=constants.indices).build_codecs()
+    value_codec, index_codec = ExchangeConfig(value_codec=constants.values, index_codec=constants.indices).build_codecs()
     estimate = entry_bytes(index_codec, value_codec, numel=numel, k=k)
     auto_costs = candidates(numel=numel, k=k, world_size=world_size, bytes_per_entry=estimate,
                             sparse_allreduce=True, local_size=_local(world_size, local_size))

@@ -34,7 +34,7 @@ import time
 from typing import Any, Optional
 
 from ..tables import format_table
-from ..training import median
+from ..harness.training import median
 from .projection import (
     PROJECTED_LINKS_GBIT,
     PROJECTED_MODELS,
@@ -121,7 +121,7 @@ def measure_layout(args: argparse.Namespace, workers: int, per_node: int, bandwi
     """One launch on a temporary cluster; one row per strategy."""
     from ..cli.launch import launch
     from ..cluster import ClusterSpec, temporary_prefix
-    from ..training import TrainConfig
+    from ..harness.training import TrainConfig
 
     specs = strategy_specs(args, per_node)
     order = _method_order(list(specs), args.rounds)

@@ -23,7 +23,7 @@ COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "e2e"): ("gradwire.bench.e2e", "methods x bandwidths x workers on emulated rate-limited links"),
     ("bench", "scaling"): ("gradwire.bench.scaling", "exchange strategies vs workers: measured on the emulated cluster, "
                                                       "projected to 1024 by the alpha-beta model"),
-    ("lowrank", "summary"): ("gradwire.lowrank.report", "per-layer report of a factorized model"),
+    ("lowrank", "summary"): ("gradwire.cli.lowrank_summary", "per-layer report of a factorized model"),
 }
 GROUP_HELP = {"bench": "benchmarks that print tables (and --json)", "lowrank": "Pufferfish low-rank models"}
 

@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The TrainConfig of ``args``, every method spec parsed and range-checked (``UsageError``)."""
-    from ..training import TrainConfig
+    from ..harness.training import TrainConfig
 
     interactive = sys.stderr.isatty()
     config = TrainConfig(
@@ -116,7 +116,7 @@ _OPTION_NAMES = {"max_steps": "--steps", "steps_per_epoch": "--steps-per-epoch",
 
 def check_method(spec_text: str) -> None:
     """Parse ``spec_text`` and check every option's range, as building it on a rank would."""
-    from ..methods import TORCH_HOOKS, parse_method
+    from ..harness.methods import TORCH_HOOKS, parse_method
 
     spec = parse_method(spec_text)
     try:
@@ -141,7 +141,7 @@ def check_method(spec_text: str) -> None:
 def check_workload(config: Any, workers: int) -> int:
     """Build the model and data once (what every rank will build) and return the steps per epoch;
     ``UsageError`` if the model, data or text is unusable or no step would run."""
-    from ..workloads import SEQUENCE_MODELS, build_workload
+    from ..harness.workloads import SEQUENCE_MODELS, build_workload
 
     if config.text is not None:
         if config.model not in SEQUENCE_MODELS:
@@ -297,8 +297,8 @@ def _run_under_torchrun(config: Any) -> Optional[list[dict[str, Any]]]:
     import torch
     import torch.distributed as dist
 
-    from ..resume import init_process_group
-    from ..training import run_rank
+    from ..harness.resume import init_process_group
+    from ..harness.training import run_rank
 
     use_cuda = torch.cuda.is_available()
     if use_cuda:

@@ -33,7 +33,7 @@ def _write_atomically(path: str, summaries: list) -> None:
 
 def main(argv: list[str]) -> int:
     config_path, result_path = argv
-    from ..training import TrainConfig, run_rank
+    from ..harness.training import TrainConfig, run_rank
 
     with open(config_path) as handle:
         config = TrainConfig(**json.load(handle))
@@ -58,4 +58,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # PyTorch itself can abort at interpreter exit after gloo collectives and
+    # destroy_process_group (pytorch PR #179291): results are written, so leave without teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..hook import CommHookState, comm_hook
+from ..ddp import CommHookState, comm_hook
 
 #: one file per rank next to the framework's checkpoint (as the frameworks' own RNG states)
 STATE_FILE = "gradwire_hook_rank{rank}.pt"

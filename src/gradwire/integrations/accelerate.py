@@ -20,7 +20,7 @@ import warnings
 import weakref
 from typing import Any, Optional
 
-from ..hook import CommHookState
+from ..ddp import CommHookState
 from ._common import HookNeverRanWarning, find_ddp, load_rank_state, parameters_device, register as _register
 from ._common import save_rank_state, warn_if_idle
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..hook import CommHookState
+from ..ddp import CommHookState
 from ._common import find_ddp, load_rank_state, parameters_device, register, save_rank_state, warn_if_idle
 
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from ..hook import CommHookState
+from ..ddp import CommHookState
 from ._common import find_ddp, parameters_device, register, warn_if_idle
 
 CHECKPOINT_KEY = "gradwire_hook"

@@ -37,7 +37,7 @@ class Warmup:
     Example:
         >>> import torch
         >>> from gradwire.lowrank import Warmup
-        >>> from gradwire.models import build_model
+        >>> from gradwire.harness.models import build_model
         >>> warmup = Warmup(build_model("cnn"), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         ...                 warmup_epochs=1, rank_ratio=0.25)
         >>> for epoch in range(2):

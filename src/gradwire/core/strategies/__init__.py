@@ -1,4 +1,4 @@
-"""Exchange strategies: each one way of averaging a group of buckets over ranks.
+"""Exchange strategies: each one way of reducing a group over ranks, with one entry point, ``start(group)``.
 
 * :class:`DenseAllReduce` — warm-up, ``compressor="none"``, ``collective="dense"``, ``auto``'s fallback;
 * :class:`SharedSupportAllReduce` — values at positions every rank drew from one seed;

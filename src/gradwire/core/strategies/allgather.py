@@ -8,11 +8,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ...bucket_payload import EncodedBucket, Part, decode_bucket, encode_bucket
+from ..payload import EncodedBucket, Part, decode_bucket, encode_bucket
 from ...errors import CollectiveError, DecodeError
 from ...exchange import FRAME_HEADER_BYTES, ByteGather, CostModel, gather_frames, gather_overflow
 from ..frames import FRAME_HEADROOM, FrameSizes
-from ..group import BucketGroup, all_finite
+from ..group import Group, all_finite
 from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 
@@ -25,7 +25,7 @@ MAX_PAYLOAD_BYTES_PER_ELEMENT = 32
 class _InFlight:
     """A framed AllGather of one group, and what finishing it may still need at the step's end."""
 
-    group: BucketGroup
+    group: Group
     payload: bytes
     capacity: int
     encoded: Optional[EncodedBucket]
@@ -34,17 +34,17 @@ class _InFlight:
 
 
 class PayloadAllGather(ExchangeStrategy):
-    """1. Encode the group's selections into one payload (``bucket_payload.encode_bucket``);
+    """1. Encode the group's selections into one payload (:func:`gradwire.core.payload.encode_bucket`);
     2. first sight of the group's layout: all-gather the lengths (blocking; -1 from a rank whose
        gradient was not finite), let the cost model choose dense if it is predicted cheaper
-       (``collective="auto"``; same lengths on every rank, so the same choice), then all-gather
-       the padded payloads. Known layout: one AllGather of frames of the agreed size
-       (:class:`~gradwire.hook.frames.FrameSizes`), so backward never waits on a length round;
+       (``context.dense_fallback``; same lengths on every rank, so the same choice), then
+       all-gather the padded payloads. Known layout: one AllGather of frames of the agreed size
+       (:class:`~gradwire.core.frames.FrameSizes`), so backward never waits on a length round;
     3. on completion, decode every peer's payload (checked against the sizes this rank expects),
-       adds this rank's own reconstruction, divides by the world size, sums in rank order
+       adds this rank's own reconstruction, divides by ``group.divisor``, sums in rank order
        (identical bits on every rank) and keeps ``compensated - sent`` as residual;
     4. a payload longer than its frame is noted; :meth:`settle` fetches the rest in a second
-       round at the step's last bucket, in launch order (completing must not start a collective).
+       round at the round's end, in launch order (completing must not start a collective).
     """
 
     name = "allgather"
@@ -59,8 +59,9 @@ class PayloadAllGather(ExchangeStrategy):
         self.frames.reset()
         self._in_flight = []
 
-    def start(self, group: BucketGroup, *, finite: bool = True) -> Exchange:
+    def start(self, group: Group) -> Exchange:
         context = self.context
+        finite = group.finite
         encoded, failure = None, None
         if finite:
             try:
@@ -82,11 +83,11 @@ class PayloadAllGather(ExchangeStrategy):
         return started
 
     # ------------------------------------------------------------------- first sight: lengths
-    def _start_measured(self, group: BucketGroup, finite: bool, encoded: Optional[EncodedBucket],
+    def _start_measured(self, group: Group, finite: bool, encoded: Optional[EncodedBucket],
                         payload: bytes) -> Exchange:
         context = self.context
         world = context.world_size
-        gather = ByteGather(payload, context.process_group, valid=finite, timeout=context.config.collective_timeout)
+        gather = ByteGather(payload, context.process_group, valid=finite, timeout=context.timeout)
         started = time.perf_counter()
         try:
             lengths = gather.lengths()
@@ -102,30 +103,28 @@ class PayloadAllGather(ExchangeStrategy):
         except DecodeError as error:
             group.mark_failed(error)
             return Exchange(context, group)
-        element_size = group.buffers[0].element_size()
-        if (context.config.collective == "auto" and world > 1
-                and not CostModel(world).prefer_allgather(max(lengths), group.numel, element_size)):
+        if (context.dense_fallback and world > 1
+                and not CostModel(world).prefer_allgather(max(lengths), group.numel, group.element_size)):
             context.stats.add("bytes_sent", 8.0 * (world - 1))
-            return self.dense.start(group, compensated=True)
+            return self.dense.start(group)
         self.frames.learn(group.signature(), lengths)
         context.stats.add("bytes_sent", 8.0 * (world - 1) + (world - 1) * max(lengths))
         context.stats.add("count_allgather_buckets", 1)
         return Exchange(context, group, gather.start(), lambda payloads: self._combine(group, payloads, encoded))
 
     # ------------------------------------------------------------------- known layout: frames
-    def _start_framed(self, group: BucketGroup, finite: bool, encoded: Optional[EncodedBucket], payload: bytes,
+    def _start_framed(self, group: Group, finite: bool, encoded: Optional[EncodedBucket], payload: bytes,
                       capacity: int) -> Exchange:
         context = self.context
         world = context.world_size
         frame_bytes = FRAME_HEADER_BYTES + capacity
         signature = group.signature()
-        element_size = group.buffers[0].element_size()
-        if context.config.collective == "auto" and not CostModel(world).prefer_allgather(
-                frame_bytes, group.numel, element_size, rounds=1):
+        if context.dense_fallback and not CostModel(world).prefer_allgather(
+                frame_bytes, group.numel, group.element_size, rounds=1):
             # every rank holds the same capacity, so every rank falls back together; forgetting
             # it makes the next step measure again instead of staying dense for good
             self.frames.forget(signature)
-            return self.dense.start(group, compensated=True, finite=finite)
+            return self.dense.start(group)
         context.stats.add("bytes_sent", float((world - 1) * frame_bytes))
         context.stats.add("count_allgather_buckets", 1)
         record = _InFlight(group, payload, capacity, encoded)
@@ -138,7 +137,7 @@ class PayloadAllGather(ExchangeStrategy):
             _check_lengths(lengths, group)
             self.frames.learn(signature, lengths)
             if max(lengths) > capacity:
-                record.overflow = (lengths, heads)  # settled by the hook's thread: see settle()
+                record.overflow = (lengths, heads)  # settled by the front-end's thread: see settle()
                 return
             self._combine(group, heads, encoded)
 
@@ -158,7 +157,7 @@ class PayloadAllGather(ExchangeStrategy):
                 started = time.perf_counter()
                 try:
                     tails = gather_overflow(record.payload, record.capacity, lengths, context.process_group,
-                                            timeout=context.config.collective_timeout)
+                                            timeout=context.timeout)
                 except Exception as error:
                     raise CollectiveError(f"AllGather of frame overflow failed at step {context.step}: {error}") from error
                 context.stats.add("seconds_communicate", time.perf_counter() - started)
@@ -170,12 +169,12 @@ class PayloadAllGather(ExchangeStrategy):
                 record.group.mark_failed(error)
 
     # ------------------------------------------------------------------------------ decoding
-    def _combine(self, group: BucketGroup, payloads: Sequence[memoryview], encoded: Optional[EncodedBucket]) -> None:
-        """Decode every rank's payload and average into the group's buffers (summing in rank
-        order, so every rank gets the same bits); a non-finite decoded sum marks the group."""
+    def _combine(self, group: Group, payloads: Sequence[memoryview], encoded: Optional[EncodedBucket]) -> None:
+        """Decode every rank's payload and reduce into the group's target (summing in rank order,
+        so every rank gets the same bits); a non-finite decoded sum marks the group."""
         context = self.context
         assert encoded is not None
-        world = context.world_size
+        divisor = group.divisor
         with context.stats.timer("decode"):
             dtype = group.dtype
             device = group.device
@@ -186,8 +185,8 @@ class PayloadAllGather(ExchangeStrategy):
                 else:
                     positions, values = self._decode_from(source, data, group)
                 values = values.to(dtype)  # a copy unless the codec returned the sent tensor itself
-                if world > 1:  # divide the few sent values, not the whole buffer afterwards
-                    values = values / world
+                if divisor != 1:  # divide the few sent values, not the whole buffer afterwards
+                    values = values / divisor
                 out.index_add_(0, positions.to(device), values.to(device))
             if not all_finite(out):  # a peer's payload held NaN/Inf values: treat as its gradient
                 group.mark_nonfinite()
@@ -196,7 +195,7 @@ class PayloadAllGather(ExchangeStrategy):
                 group.keep(entry, sent.indices.to(device), sent.values.to(device))
             group.write(out)
 
-    def _decode_from(self, source: int, data: memoryview, group: BucketGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_from(self, source: int, data: memoryview, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return decode_bucket(data, [e.numel for e in group.entries], [e.offset for e in group.entries],
                                  group.numel, index_codec=self.context.index_codec)
@@ -204,7 +203,7 @@ class PayloadAllGather(ExchangeStrategy):
             raise DecodeError(f"payload from rank {source} at step {self.context.step}: {error}") from error
 
 
-def _check_lengths(lengths: Sequence[int], group: BucketGroup) -> None:
+def _check_lengths(lengths: Sequence[int], group: Group) -> None:
     """Refuse announced payload lengths no codec could produce for this group (every rank sees
     the same lengths, so every rank refuses together) before allocating for them."""
     limit = MAX_PAYLOAD_BYTES_PER_ELEMENT * group.numel + (1 << 20)

@@ -123,7 +123,7 @@ def _parse_part(spec: str, text: str, compressors: list[str]) -> Part:
 
 def parse_method(spec: str) -> MethodSpec:
     """Parse one method spec; ValueError names the bad part and lists what is allowed."""
-    from .sparsify import sparsifiers
+    from ..sparsify import sparsifiers
 
     if not spec or not spec.strip():
         raise ValueError("method spec is empty; e.g. 'allreduce' or 'topk:density=0.01'")

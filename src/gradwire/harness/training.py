@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import resume
-from .exchange.cost import ring_allreduce_bytes
-from .lifetime import barrier, wait_for
+from ..exchange.cost import ring_allreduce_bytes
+from ..lifetime import barrier, wait_for
 from .methods import MethodSpec, parse_method
 from .workloads import Workload, build_workload
 
@@ -207,7 +207,7 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
 
     warmup = None
     if spec.pufferfish is not None:
-        from .lowrank import Warmup
+        from ..lowrank import Warmup
 
         def rewrap(factorized: torch.nn.Module) -> DDP:
             new_ddp, new_state = _wrap(factorized, spec, config, device)

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .lifetime import wait_for
+from ..lifetime import wait_for
 
 FORMAT = "gradwire.commhook/1"
 #: state kinds stored per parameter, in this order

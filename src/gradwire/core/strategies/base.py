@@ -1,17 +1,20 @@
 """What every exchange strategy shares: its context, its entry point, and the exchange in flight.
 
-A strategy takes a :class:`~gradwire.hook.group.BucketGroup` whose gradients are selected (or
-not, for dense ones), moves it between ranks and writes the averaged result into the group's
-buffers. ``start(group)`` returns an :class:`Exchange`: the collective in flight and what to do
-with its result. Completing it (:meth:`Exchange.complete`, on the hook's thread: at a later
-bucket if it has arrived, else at the step's end) finishes the group on this rank: written, found
-non-finite, or failed. It never raises for a communication error and never resolves DDP's Futures
-itself — the step's end does both, on every rank alike (:mod:`gradwire.hook.step`).
+A strategy takes a :class:`~gradwire.core.group.Group` whose gradients are selected (or not, for
+dense ones), moves it between ranks and writes the reduced result into the group's target.
+Every strategy has the same entry point, ``start(group)``: what differs between groups (this
+rank's input is finite, the second selection's ``k``, whether selection ran) is state of the
+group, and what differs between strategies is state of the strategy. ``start`` returns an
+:class:`Exchange`: the collective in flight and what to do with its result. Completing it
+(:meth:`Exchange.complete`, on the front-end's thread: as soon as it has arrived, else at the
+round's end) finishes the group on this rank: written, found non-finite, or failed. It never
+raises for a communication error and never resolves anything itself — the round's end decides,
+on every rank alike (:mod:`gradwire.core.round`), and the front-end acts on the verdict.
 
 Rules every strategy keeps:
 
-* collectives are launched from ``start`` (the hook's thread, in bucket order) or from
-  ``settle`` (the same thread, at the step's last bucket): ranks must issue them in one order;
+* collectives are launched from ``start`` (the front-end's thread, in group order) or from
+  ``settle`` (the same thread, at the round's end): ranks must issue them in one order;
 * nothing runs on a backend thread (no ``Future.then``): a callback there can kill the process
   at interpreter exit (:mod:`gradwire.lifetime`);
 * a collective's buffers are read only after its wait succeeded, so a failed collective is seen
@@ -30,22 +33,31 @@ import torch.distributed as dist
 from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError
 from ...exchange.inflight import Launched
-from ...stats import ExchangeStats
-from ..config import HookConfig
-from ..group import BucketGroup
+from ..group import Group
+from ..stats import ExchangeStats
 
 
 @dataclass
 class ExchangeContext:
-    """What strategies read: the options, the codecs, the group of ranks, the counters."""
+    """What strategies read: the codecs, the group of ranks, the counters and the few options
+    that change how an exchange runs (not the whole config).
 
-    config: HookConfig
+    Args:
+        timeout: seconds each blocking round may take (``collective_timeout``).
+        dense_fallback: a payload exchange may fall back to dense when its real payloads turn out
+            larger than a dense AllReduce would send (``collective="auto"``).
+        hierarchy: ranks per node for the hierarchical exchange (None, ``"auto"`` or an int).
+    """
+
     value_codec: ValueCodec
     index_codec: IndexCodec
     process_group: Optional[dist.ProcessGroup]
     world_size: int
     rank: int
     stats: ExchangeStats
+    timeout: float
+    dense_fallback: bool = False
+    hierarchy: Any = None
     step: int = 0
 
 
@@ -58,11 +70,11 @@ class ExchangeStrategy(ABC):
         self.context = context
 
     @abstractmethod
-    def start(self, group: BucketGroup) -> "Exchange":
+    def start(self, group: Group) -> "Exchange":
         """Launch the exchange of ``group``; completing the result finishes the group here."""
 
     def settle(self) -> None:
-        """At the step's last bucket, after every exchange of the step completed: any second round."""
+        """At the round's end, after every exchange of the round completed: any second round."""
 
     def reset(self) -> None:
         """Forget what carries across steps (e.g. after loading a checkpoint on every rank)."""
@@ -72,11 +84,11 @@ class Exchange:
     """One group's exchange in flight: ``launched`` (None: nothing in flight, the group is already
     finished or failed) and ``finish(value)``, which averages its result into the group.
 
-    Holding an Exchange holds its collective's ``Work``; the hook lets go of a step's exchanges at
-    the next step's first bucket, so a backend thread never frees their tensors (see
+    Holding an Exchange holds its collective's ``Work``; the front-end lets go of a round's
+    exchanges when the next round starts, so a backend thread never frees their tensors (see
     :mod:`gradwire.lifetime`)."""
 
-    def __init__(self, context: ExchangeContext, group: BucketGroup, launched: Optional[Launched] = None,
+    def __init__(self, context: ExchangeContext, group: Group, launched: Optional[Launched] = None,
                  finish: Optional[Callable[[Any], None]] = None) -> None:
         self.context, self.group, self.launched, self.finish = context, group, launched, finish
         self.step = context.step
@@ -89,7 +101,7 @@ class Exchange:
 
     def complete(self, timeout: Optional[float] = None) -> None:
         """Wait up to ``timeout`` seconds, then finish the group; a failed or late collective
-        marks the group failed (the step's end then fails every rank together), never raises."""
+        marks the group failed (the round's end then fails every rank together), never raises."""
         if self.completed:
             return
         self.completed = True
@@ -103,12 +115,12 @@ class Exchange:
             self.context.stats.add("seconds_communicate", time.perf_counter() - self.started)
             if self.finish is not None:
                 self.finish(value)
-        except BaseException as error:  # recorded; the step's end makes every rank fail together
+        except BaseException as error:  # recorded; the round's end makes every rank fail together
             self.group.mark_failed(error)
 
 
-def run_guarded(group: BucketGroup, action: Callable[[], None]) -> None:
-    """Run ``action`` on the hook's thread, recording (not raising) what it raises."""
+def run_guarded(group: Group, action: Callable[[], None]) -> None:
+    """Run ``action`` on the front-end's thread, recording (not raising) what it raises."""
     try:
         action()
     except BaseException as error:

@@ -10,7 +10,7 @@ import torch
 from ...errors import CollectiveError, DecodeError
 from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
 from ...sparsify.base import Sparsifier
-from ..group import BucketGroup
+from ..group import Group
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 from .sparse_allreduce import RegionCodecAdapter, averaged_output
 
@@ -37,7 +37,7 @@ class HierarchicalExchange(ExchangeStrategy):
        each ``1/local_size`` of the volume;
     4. the shards' results are all-gathered inside the node, and every rank writes the average.
     Error feedback is per rank over its shard: rank r keeps ``node sum on its shard - what of it
-    survived`` (zero elsewhere), which telescopes over all ranks. Blocking, on the hook's thread.
+    survived`` (zero elsewhere), which telescopes over all ranks. Blocking, on the front-end's thread.
     """
 
     name = "hierarchical"
@@ -52,24 +52,25 @@ class HierarchicalExchange(ExchangeStrategy):
         """The intra- and cross-node groups, built at first use (a collective: every rank builds
         them at its first bucket, in the same order)."""
         if self._hierarchy is None:
-            local = local_size_of(self.context.config.hierarchy, self.context.world_size)
+            local = local_size_of(self.context.hierarchy, self.context.world_size)
             built = build_hierarchy(local)
             assert built is not None
             self._hierarchy = built
         return self._hierarchy
 
-    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> Exchange:
-        run_guarded(group, lambda: self._run(group, finite, k))
+    def start(self, group: Group) -> Exchange:
+        run_guarded(group, lambda: self._run(group))
         return Exchange(self.context, group)
 
-    def _run(self, group: BucketGroup, finite: bool, k: Optional[int]) -> None:
+    def _run(self, group: Group) -> None:
         context = self.context
+        k = group.k
         hierarchy = self.hierarchy()
         dense = torch.zeros(group.numel, dtype=torch.float32, device=group.device)
         for entry in group.entries:
             if entry.compensated is not None and not entry.unused:
                 dense[entry.offset: entry.offset + entry.numel] = entry.compensated
-        if not finite:
+        if not group.finite:
             dense[0] = float("nan")
         step = context.step
         tensor_id = hash(group.signature()) & 0x7FFFFFFF
@@ -91,7 +92,7 @@ class HierarchicalExchange(ExchangeStrategy):
         context.stats.add("bytes_sent_cross_node", float(sum(result.sent_cross.values())))
         context.stats.add("count_hierarchical_buckets", 1)
         with context.stats.timer("decode"):
-            out = averaged_output(group, result.indices, result.values, context.world_size, finite=result.finite)
+            out = averaged_output(group, result.indices, result.values, finite=result.finite)
             if out is None:
                 return
             residual = result.residual(group.numel)

@@ -1,7 +1,8 @@
-"""Every option of the hook in one frozen, validated record.
+"""Every option of the compression core in one frozen, validated record.
 
-:class:`HookConfig` is the single list of options. The cross-rank mismatch check and
-:meth:`HookConfig.describe` both derive from its fields, so an option added here can never
+:class:`ExchangeConfig` is the single list of options that every front-end shares (the DDP
+hook's :class:`~gradwire.HookConfig` is this class). The cross-rank mismatch check and
+:meth:`ExchangeConfig.describe` both derive from its fields, so an option added here can never
 escape the check (a field marked ``rank_local`` — a logging period, a timeout — may differ
 between ranks and is left out).
 """
@@ -34,8 +35,8 @@ _LOCAL = {"rank_local": True}
 
 
 @dataclass(frozen=True)
-class HookConfig:
-    """The hook's options; see :class:`gradwire.CommHookState` for what each one means.
+class ExchangeConfig:
+    """The core's options; see :class:`gradwire.CommHookState` for what each one means.
 
     Codecs may be given as names, config dicts or instances; they are resolved (with
     ``codec_options`` routed to them) by :meth:`build_codecs`. Invalid values raise
@@ -148,7 +149,7 @@ class HookConfig:
         """A short hash of :meth:`describe` (recorded in checkpoints)."""
         return hashlib.sha256(self.describe().encode()).hexdigest()[:16]
 
-    def replace(self, **changes: Any) -> "HookConfig":
+    def replace(self, **changes: Any) -> "ExchangeConfig":
         return dataclasses.replace(self, **changes)
 
 

@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch
 
-from ..feedback import ErrorFeedback, accumulation_dtype
 from ..sparsify import select_global
 from ..sparsify.base import Sparsifier
-from ..stats import ExchangeStats
-from .group import BucketGroup, Entry
+from .feedback import ErrorFeedback, accumulation_dtype
+from .group import Entry, Group
+from .stats import ExchangeStats
 
 
 class Selection:
@@ -20,8 +20,11 @@ class Selection:
        applied nor lost (for shared supports it sends zeros at the shared positions);
     3. the sparsifier picks ascending int64 indices per entry (``scope="layer"``) or once over
        the group (``scope="global"``).
-    A rank whose gradient is not finite selects on zeros instead (shared supports must still
-    agree in size) and leaves its memory untouched.
+    A rank whose gradient is not finite (``group.finite`` is False) selects on zeros instead
+    (shared supports must still agree in size) and leaves its memory untouched.
+
+    ``stats`` counts ``count_compensations`` and ``count_selections`` (entries), so a test can
+    check that each entry is compensated and selected exactly once per round.
     """
 
     def __init__(self, sparsifier: Sparsifier, feedback: Optional[ErrorFeedback], scope: str,
@@ -31,21 +34,25 @@ class Selection:
         self.scope = scope
         self.stats = stats
 
-    def compensate(self, group: BucketGroup, finite: bool, *, detect_unused: bool = True) -> None:
-        """Step 1-2 only (an exchange that selects on something else, e.g. a node's sum)."""
+    def compensate(self, group: Group, *, detect_unused: bool = True) -> None:
+        """Steps 1-2 only (an exchange that selects on something else, e.g. a node's sum)."""
+        finite = group.finite
         for entry in group.entries:
             entry.unused = detect_unused and finite and not bool(entry.grad.any())
             entry.compensated = self._compensate(entry, finite)
+        self.stats.add("count_compensations", len(group.entries))
 
-    def run(self, group: BucketGroup, step: int, finite: bool) -> None:
+    def run(self, group: Group, step: int) -> None:
+        """Steps 1-3: compensate, then select."""
         with self.stats.timer("sparsify"):
-            self.compensate(group, finite)
+            self.compensate(group)
             if self.scope == "global":  # unused entries hold zeros, which a per-rank support skips
                 selected = select_global(self.sparsifier, [e.compensated for e in group.entries], step=step)
             else:
                 selected = [self._select_one(entry, step) for entry in group.entries]
             for entry, indices in zip(group.entries, selected):
                 entry.indices = indices
+            self.stats.add("count_selections", len(group.entries))
 
     def _compensate(self, entry: Entry, finite: bool) -> torch.Tensor:
         if not finite or entry.unused:  # nothing of it is sent; its residual stays as it is

@@ -1,6 +1,6 @@
 """A model, its data and its loss, by name: what ``gradwire train`` and the benchmarks run.
 
-``mlp`` (a wide MLP, :class:`~gradwire.models.mlp.WideMLP`) takes ``synthetic`` vectors labelled by
+``mlp`` (a wide MLP, :class:`~gradwire.harness.models.mlp.WideMLP`) takes ``synthetic`` vectors labelled by
 a fixed random linear teacher: a communication-bound workload (many parameters, little compute).
 Image models (cnn, resnet18, vgg19) take ``mnist5k``, ``digits`` or ``synthetic`` images
 (CIFAR-shaped 3x32x32 by default for resnet18/vgg19). Sequence models (lstm, transformer) take
@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from .data import DATASETS, load
-from .errors import check_choice
+from ..errors import check_choice
 from .models import MODELS, build_model
 
 IMAGE_MODELS = ("cnn", "resnet18", "vgg19")

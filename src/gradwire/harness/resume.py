@@ -11,7 +11,7 @@ Every rank writes its own file (no gather: a node-local folder works as long as 
 node), then a barrier, then rank 0 marks the step complete and drops all but the last two. On
 start, rank 0 finds the latest complete step and broadcasts it, so every rank resumes from the
 same step. Files are read with ``torch.load(weights_only=True)``; a hook state saved by another
-rank or world size is refused (see :mod:`gradwire.checkpoint`).
+rank or world size is refused (see :mod:`gradwire.core.checkpoint`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
-from .lifetime import barrier, wait_for
+from ..lifetime import barrier, wait_for
 
 COMPLETE = "COMPLETE"
 KEEP = 2

@@ -6,7 +6,7 @@ import torch
 
 from ...exchange import allreduce_sum, ring_allreduce_bytes
 from ..config import CAST_VALUE_CODECS
-from ..group import BucketGroup
+from ..group import Group
 from .base import Exchange, ExchangeStrategy
 
 _WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -18,11 +18,11 @@ class SharedSupportAllReduce(ExchangeStrategy):
        to the wire dtype, and append one element that flags NaN/Inf on this rank;
     2. SUM AllReduce (no indices travel: every rank drew the same positions from the seed);
     3. a raised flag marks the group non-finite on every rank alike;
-    4. scatter the averaged values into the output and keep ``compensated - sent`` as residual."""
+    4. scatter the values divided by ``group.divisor`` into the output and keep ``compensated - sent`` as residual."""
 
     name = "allreduce"
 
-    def start(self, group: BucketGroup, *, finite: bool = True) -> Exchange:
+    def start(self, group: Group) -> Exchange:
         context = self.context
         wire_dtype = _WIRE_DTYPES.get(context.value_codec.name, torch.float32)
         device = group.device
@@ -30,18 +30,18 @@ class SharedSupportAllReduce(ExchangeStrategy):
             pieces = [torch.zeros(e.indices.numel(), dtype=e.compensated.dtype, device=e.compensated.device)
                       if e.unused else e.compensated[e.indices] for e in group.entries]
             sent = torch.cat(pieces).to(wire_dtype) if pieces else torch.zeros(0, dtype=wire_dtype)
-            flag = torch.tensor([0.0 if finite else 1.0], dtype=wire_dtype, device=sent.device)
+            flag = torch.tensor([0.0 if group.finite else 1.0], dtype=wire_dtype, device=sent.device)
             message = torch.cat([sent, flag]).to(device)
-        world = context.world_size
-        context.stats.add("bytes_sent", ring_allreduce_bytes(message.numel(), message.element_size(), world))
+        context.stats.add("bytes_sent", ring_allreduce_bytes(message.numel(), message.element_size(),
+                                                             context.world_size))
 
         def finish(summed: torch.Tensor) -> None:
-            if float(summed[-1]) != 0 or not finite:
+            if float(summed[-1]) != 0 or not group.finite:
                 group.mark_nonfinite()
                 return
             with context.stats.timer("decode"):
                 dtype = group.dtype
-                averaged = summed[:-1].to(dtype) / world
+                averaged = summed[:-1].to(dtype) / group.divisor
                 out = group.output_buffer(dtype)
                 position = 0
                 for entry in group.entries:

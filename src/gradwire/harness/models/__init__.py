@@ -4,7 +4,7 @@ Every model takes ``num_classes``-style keywords of its own, has an ``example_in
 that returns a valid random batch on its device, and a ``lowrank_keep_full`` hybrid policy that
 :func:`gradwire.lowrank.factorize` uses by default.
 
->>> from gradwire.models import build_model
+>>> from gradwire.harness.models import build_model
 >>> model = build_model("resnet18", num_classes=10)
 >>> sum(p.numel() for p in model.parameters())
 11173834
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..errors import check_choice
+from ...errors import check_choice
 from .cnn import SmallCNN
 from .lstm import LSTMLanguageModel
 from .mlp import WideMLP

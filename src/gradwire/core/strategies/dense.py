@@ -8,26 +8,27 @@ import math
 import torch
 
 from ...exchange import allreduce_sum, ring_allreduce_bytes
-from ..group import BucketGroup, all_finite
+from ..group import Group, all_finite
 from .base import Exchange, ExchangeStrategy
 
 
 class DenseAllReduce(ExchangeStrategy):
-    """1. Flatten the group (the raw gradients, or after selection the compensated ones);
+    """1. Flatten the group: the raw gradients, or, when selection ran (``group.compensated``),
+       the compensated ones — everything that is owed;
     2. SUM AllReduce it;
     3. a non-finite sum marks the group non-finite (NaN anywhere reaches every rank through the sum);
-    4. divide by the world size and write; after a compensated send nothing stays behind, so
-       the residuals are cleared (at the step's end, once every rank agreed)."""
+    4. divide by ``group.divisor`` and write; after a compensated send nothing stays behind, so
+       the residuals are cleared (at the round's end, once every rank agreed)."""
 
     name = "dense"
 
-    def start(self, group: BucketGroup, *, compensated: bool = False, finite: bool = True) -> Exchange:
+    def start(self, group: Group) -> Exchange:
         context = self.context
-        flat = self._compensated_flat(group, finite) if compensated else group.flat_gradient()
-        element_size = group.buffers[0].element_size()
-        context.stats.add("bytes_sent", ring_allreduce_bytes(group.numel, element_size, context.world_size))
+        compensated = group.compensated
+        flat = self._compensated_flat(group) if compensated else group.flat_gradient()
+        context.stats.add("bytes_sent", ring_allreduce_bytes(group.numel, group.element_size, context.world_size))
         context.stats.add("count_dense_buckets", 1)
-        world = context.world_size
+        divisor = group.divisor
 
         def finish(summed: torch.Tensor) -> None:
             if not all_finite(summed):
@@ -35,20 +36,20 @@ class DenseAllReduce(ExchangeStrategy):
                 return
             if compensated:
                 group.clear_all()
-            summed.div_(world)
+            summed.div_(divisor)
             group.write(summed)
 
         summed = allreduce_sum(flat, context.process_group, collective="AllReduce (dense)")
         return Exchange(context, group, summed, finish)
 
     @staticmethod
-    def _compensated_flat(group: BucketGroup, finite: bool) -> torch.Tensor:
+    def _compensated_flat(group: Group) -> torch.Tensor:
         """Send everything that is owed: the compensated gradients (zeros for unused entries,
         whose residual stays)."""
         flat = torch.zeros(group.numel, dtype=group.dtype, device=group.device)
         for entry in group.entries:
             if entry.compensated is not None and not entry.unused:
                 flat[entry.offset: entry.offset + entry.numel] = entry.compensated
-        if not finite:  # compensated holds zeros here: a NaN tells every rank, through the sum
+        if not group.finite:  # compensated holds zeros here: a NaN tells every rank, through the sum
             flat[0] = math.nan
         return flat

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import check_choice
+from ..errors import check_choice
 
 DATASETS = ("mnist5k", "digits", "synthetic")
 MNIST5K_PATH = Path(__file__).with_name("datasets") / "mnist5k.u8.zst"

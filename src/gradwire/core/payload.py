@@ -24,9 +24,9 @@ from typing import Sequence
 
 import torch
 
-from . import codecs as codec_layer
-from .codecs.base import IndexCodec, ValueCodec
-from .sparse import SparseTensor
+from .. import codecs as codec_layer
+from ..codecs.base import IndexCodec, ValueCodec
+from ..sparse import SparseTensor
 
 
 @dataclass

@@ -11,7 +11,7 @@ from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError, DecodeError
 from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
-from ..group import BucketGroup, all_finite
+from ..group import Group, all_finite
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 
 #: Steps between refreshes of a layout's regions (one small AllReduce each; Ok-Topk uses 64).
@@ -47,12 +47,12 @@ class SparseAllReduce(ExchangeStrategy):
     2. ``exchange.sparse_allreduce``: a sparse reduce-scatter by index region (regions balanced
        from the ranks' selected positions, refreshed every ``REGION_REFRESH_STEPS`` steps), each
        owner sums its region, every rank derives the same threshold leaving about ``k`` entries
-       (the sum of the sparsifier's per-parameter targets), then an AllGather of the reduced regions,
+       (``group.k``: the sum of the sparsifier's per-parameter targets), then an AllGather of the reduced regions,
        DeepReduce-coded. About ``2k`` entries per worker, whatever the number of workers;
     3. write the average; each rank's residual is its compensated gradient minus what of its own
        contribution survived the second selection (plus, for lossy values, the owner's coding
        error), so ``sum of residuals = sum of compensated - applied``: error feedback telescopes.
-    Blocking, on the hook's thread (its rounds depend on each other's results).
+    Blocking, on the front-end's thread (its rounds depend on each other's results).
     """
 
     name = "sparse-allreduce"
@@ -65,15 +65,16 @@ class SparseAllReduce(ExchangeStrategy):
     def reset(self) -> None:
         self._regions = {}
 
-    def start(self, group: BucketGroup, *, finite: bool = True, k: Optional[int] = None) -> Exchange:
-        run_guarded(group, lambda: self._run(group, finite, k))
+    def start(self, group: Group) -> Exchange:
+        run_guarded(group, lambda: self._run(group))
         return Exchange(self.context, group)
 
-    def _run(self, group: BucketGroup, finite: bool, k: Optional[int]) -> None:
+    def _run(self, group: Group) -> None:
         context = self.context
+        k = group.k
         with context.stats.timer("encode"):
             positions, values = _joined(group)
-            if not finite:  # one NaN entry makes every rank see a non-finite sum, together
+            if not group.finite:  # one NaN entry makes every rank see a non-finite sum, together
                 positions = torch.zeros(1, dtype=torch.int64, device=group.device)
                 values = torch.full((1,), float("nan"), device=group.device)
         boundaries = self._boundaries(group, positions)
@@ -89,12 +90,12 @@ class SparseAllReduce(ExchangeStrategy):
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_sparse_allreduce_buckets", 1)
         with context.stats.timer("decode"):
-            out = averaged_output(group, result.indices, result.values, context.world_size, finite=result.finite)
+            out = averaged_output(group, result.indices, result.values, finite=result.finite)
             if out is not None:
                 _keep_own_share(group, positions, result)
                 group.write(out)
 
-    def _boundaries(self, group: BucketGroup, positions: torch.Tensor) -> list[int]:
+    def _boundaries(self, group: Group, positions: torch.Tensor) -> list[int]:
         """The layout's regions, refreshed every REGION_REFRESH_STEPS steps (the same steps on
         every rank, so the refresh's collective is issued alike)."""
         signature = group.signature()
@@ -110,20 +111,20 @@ class SparseAllReduce(ExchangeStrategy):
         return known[1]
 
 
-def averaged_output(group: BucketGroup, indices: torch.Tensor, values: torch.Tensor, world_size: int, *,
+def averaged_output(group: Group, indices: torch.Tensor, values: torch.Tensor, *,
                     finite: bool) -> Optional[torch.Tensor]:
-    """The group's flat output holding ``values / world_size`` at ``indices`` (a sparse sum over
+    """The group's flat output holding ``values / group.divisor`` at ``indices`` (a sparse sum over
     ranks), or None after marking the group non-finite (a rank announced NaN/Inf, or the sum has it)."""
     if finite:
         out = group.output_buffer(group.dtype)
-        out[indices.to(out.device)] = (values / world_size).to(out.dtype)
+        out[indices.to(out.device)] = (values / group.divisor).to(out.dtype)
         if all_finite(out):
             return out
     group.mark_nonfinite()
     return None
 
 
-def _joined(group: BucketGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _joined(group: Group) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's selections as one ascending sparse contribution over its flat space (float32)."""
     device = group.device
     pieces = [(e.indices + e.offset, e.compensated[e.indices]) for e in group.entries if e.indices is not None]
@@ -135,7 +136,7 @@ def _joined(group: BucketGroup) -> tuple[torch.Tensor, torch.Tensor]:
     return positions[order], values[order]
 
 
-def _keep_own_share(group: BucketGroup, positions: torch.Tensor, result: SparseAllreduceResult) -> None:
+def _keep_own_share(group: Group, positions: torch.Tensor, result: SparseAllreduceResult) -> None:
     """Per entry: what of this rank's contribution counts as sent (kept where it survived, minus
     the owner's coding error where this rank owns a region), for ``residual = compensated - sent``."""
     sent_positions = positions[result.survived]

@@ -1,0 +1,219 @@
+"""A group of tensors on its way through one exchange, where its result goes, and how it ended.
+
+A :class:`Group` is what one strategy moves in one go: a DDP bucket (layer scope), every bucket
+of an iteration (global scope), a ``GradientExchange`` bucket, an FSDP module's flat gradient.
+Its gradients (:class:`Entry`) are views into the :class:`Target`'s tensors; a strategy writes
+the reduced result back with :meth:`Group.write`, divided by ``divisor`` (the world size for a
+mean, 1 for a sum, or an FSDP divide factor). Nothing here resolves anything: the front-end
+does, once every rank agreed the round succeeded (:mod:`gradwire.core.round`), so no rank ever
+hands its framework a half-written or unagreed result.
+
+``finite`` (this rank's input had no NaN/Inf) and ``k`` (how many entries a second selection of
+the reduced sum keeps) are state of the group, set before a strategy starts, so every strategy
+has the same entry point, ``start(group)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+import torch
+
+
+class Status(enum.IntEnum):
+    """How a group's exchange ended on this rank; ordered so that the worst is the largest
+    (a round's status is the maximum over its groups and over ranks)."""
+
+    PENDING = -1
+    WRITTEN = 0
+    NONFINITE = 1
+    FAILED = 2
+
+
+@dataclass
+class Entry:
+    """One tensor's gradient inside a group.
+
+    ``grad``: a view into its target's tensors. ``offset``: element offset in the group's flat
+    space. ``compensated`` (flat float32/64, the tensor's numel) and ``indices`` (ascending
+    int64) are filled by selection. ``unused``: the gradient was all zeros on this rank (e.g. a
+    parameter DDP found unused): it sends nothing and keeps its residual whole, so what it owes
+    is neither applied nor lost.
+    """
+
+    key: Hashable
+    tensor_id: int
+    grad: torch.Tensor
+    offset: int
+    compensated: Optional[torch.Tensor] = None
+    indices: Optional[torch.Tensor] = None
+    unused: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.grad.numel()
+
+
+class BufferTarget:
+    """The result goes into flat ``buffers`` laid end to end (DDP's bucket buffers, a
+    ``GradientExchange`` bucket); the group's flat space is their concatenation."""
+
+    def __init__(self, buffers: Optional[list[torch.Tensor]] = None) -> None:
+        self.buffers: list[torch.Tensor] = [] if buffers is None else buffers
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffers[0].dtype
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's gradients (checked for NaN/Inf before a strategy starts)."""
+        return self.buffers
+
+    def flat_input(self) -> torch.Tensor:
+        """The raw gradients as one flat tensor (the buffer itself when there is one)."""
+        if len(self.buffers) == 1:
+            return self.buffers[0].view(-1)
+        return torch.cat([b.reshape(-1) for b in self.buffers])
+
+    def output(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed flat tensor to sum the received gradients into: the buffer itself when there is
+        one of that dtype (compensation already copied every gradient out), so the result needs no
+        further copy; else a new one."""
+        if len(self.buffers) == 1 and self.buffers[0].dtype == dtype and self.buffers[0].is_contiguous():
+            return self.buffers[0].view(-1).zero_()
+        return torch.zeros(self.numel, dtype=dtype, device=self.device)
+
+    def write(self, result: torch.Tensor) -> None:
+        """Copy the flat result into the buffers (unless it is the buffer already)."""
+        position = 0
+        for buffer in self.buffers:
+            size = buffer.numel()
+            if result.data_ptr() != buffer.data_ptr():
+                buffer.copy_(result[position: position + size].reshape(buffer.shape))
+            position += size
+
+    def zero(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero_()
+
+    def results(self) -> list[torch.Tensor]:
+        """What a digest of the written result covers, in order."""
+        return self.buffers
+
+
+@dataclass
+class Group:
+    """Tensors exchanged together. ``status`` records how its exchange ended on this rank.
+
+    Args:
+        target: where the reduced result goes (:class:`BufferTarget`).
+        entries: the gradients, in the target's flat order.
+        divisor: the sum over ranks is divided by this before it is written (world size: mean).
+    """
+
+    target: BufferTarget
+    entries: list[Entry] = field(default_factory=list)
+    divisor: float = 1.0
+    #: this rank's input is finite (the pipeline checks before any strategy starts)
+    finite: bool = True
+    #: entries a second selection of the reduced sum keeps (sparse AllReduce, hierarchical)
+    k: Optional[int] = None
+    status: Status = Status.PENDING
+    error: Optional[BaseException] = None
+    #: a hash of what this rank summed, equal on every rank when nothing was corrupted in flight
+    #: (None: nothing to compare); set by the strategy when it writes
+    digest: Optional[int] = None
+    #: error-feedback updates, applied only once every rank agreed the round succeeded
+    feedback_updates: list[tuple[Hashable, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    feedback_clears: list[Hashable] = field(default_factory=list)
+    #: residuals an exchange computed whole (hierarchical: its shard of the node's sum)
+    feedback_sets: list[tuple[Hashable, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.target.numel
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the result is summed in: the compensated gradients' (float32/64), else the target's."""
+        for entry in self.entries:
+            if entry.compensated is not None:
+                return entry.compensated.dtype
+        return self.target.dtype
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element of the uncompressed gradient (what a dense AllReduce would send)."""
+        return torch.empty((), dtype=self.target.dtype).element_size()
+
+    @property
+    def compensated(self) -> bool:
+        """Whether selection ran: the entries hold ``grad + residual`` (what a dense send owes)."""
+        return any(entry.compensated is not None for entry in self.entries)
+
+    def signature(self) -> tuple[int, ...]:
+        """Identifies the group's layout across steps (DDP's buckets change after step one)."""
+        return (self.numel, *(e.tensor_id for e in self.entries))
+
+    def flat_gradient(self) -> torch.Tensor:
+        return self.target.flat_input()
+
+    def output_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.target.output(dtype)
+
+    # ------------------------------------------------------------------------- outcomes
+    def keep(self, entry: Entry, indices: torch.Tensor, sent: torch.Tensor) -> None:
+        """Record ``residual = compensated - sent at indices`` for the round's end."""
+        if entry.unused or entry.compensated is None:
+            return
+        self.feedback_updates.append((entry.key, entry.compensated, indices, sent))
+
+    def keep_residual(self, entry: Entry, residual: torch.Tensor) -> None:
+        """Record ``residual`` (flat, the entry's numel) as the entry's new residual for the round's end."""
+        if not entry.unused:
+            self.feedback_sets.append((entry.key, residual))
+
+    def clear_all(self) -> None:
+        """Everything was sent (a dense fallback): nothing stays behind, except for unused entries."""
+        self.feedback_clears.extend(e.key for e in self.entries if not e.unused)
+
+    def write(self, result: torch.Tensor) -> None:
+        """Write the flat reduced result (already divided) into the target."""
+        self.target.write(result)
+        self.status = Status.WRITTEN
+
+    def mark_nonfinite(self) -> None:
+        self.status = Status.NONFINITE
+
+    def mark_failed(self, error: BaseException) -> None:
+        if self.status != Status.FAILED:
+            self.status, self.error = Status.FAILED, error
+
+
+def offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
+    """Element offset of ``view`` inside ``buffer`` (DDP's gradients are views of its bucket)."""
+    offset, remainder = divmod(view.data_ptr() - buffer.data_ptr(), buffer.element_size())
+    if remainder or not 0 <= offset <= buffer.numel() - view.numel():
+        raise RuntimeError("gradient is not a view of its bucket buffer")
+    return offset
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf. A plain sum is finite in the common case and costs
+    ~20x less than ``isfinite().all()``; only a non-finite sum (NaN/Inf inside, or an overflow of
+    huge finite values) pays for the exact check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
