@@ -1,16 +1,31 @@
-"""Blockwise int8/int4 quantization: bounds, layout, non-finite blocks, hostile bytes."""
+"""Blockwise int8/int4 quantization and the quantized reduce-scatter / AllReduce on real gloo groups.
+
+Workers return plain lists (tensors through the result queue would need shared memory that dies
+with the worker). Every multi-process check recomputes the expected result in this process from
+the inputs, with the same pure functions, so "exact" means bit for bit.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from gradwire.errors import DecodeError
+from gradwire.errors import CollectiveError, DecodeError
+from gradwire.exchange import quantized as quantized_module
 from gradwire.exchange.blockquant import LEVELS, dequantize, quantize, quantized_bytes, roundtrip
+from gradwire.exchange.quantized import quantized_allreduce, quantized_reduce_scatter
+
+from ..distributed import run_workers, run_workers_some_die
 
 BLOCK = 64
+SHARD = 300  # reduce-scatter chunk: not a multiple of BLOCK
+NUMEL = 1001  # AllReduce input: ceil(1001 / p) is not a multiple of BLOCK for p = 2, 3, 4
 
 
 def _qd(x: torch.Tensor, bits: int, block_size: int = BLOCK) -> torch.Tensor:
@@ -144,6 +159,8 @@ def test_bad_options_are_value_errors() -> None:
         quantize(torch.randn(4), bits=8, block_size=0)
     with pytest.raises(ValueError, match="float32"):
         quantize(torch.randn(4, dtype=torch.float64), bits=8, block_size=4)
+    with pytest.raises(ValueError, match="float32"):
+        quantized_allreduce(torch.randn(2, 2), bits=8, block_size=4)
 
 
 def test_byte_formula() -> None:
@@ -151,3 +168,186 @@ def test_byte_formula() -> None:
     assert quantized_bytes(300, 4, 64) == 4 * 5 + 150
     assert quantized_bytes(301, 4, 64) == 4 * 5 + 151
     assert quantized_bytes(0, 4, 64) == 0
+
+
+def test_world_of_one_needs_no_collective_and_telescopes() -> None:
+    x = torch.randn(777, generator=torch.Generator().manual_seed(9))
+    for bits in (8, 4):
+        reduced = quantized_reduce_scatter(x, bits=bits, block_size=BLOCK)
+        assert torch.equal(reduced.shard, _qd(x, bits)) and torch.equal(reduced.error, x - reduced.shard)
+        assert reduced.bytes_sent == 0 and bool(reduced.finite)
+        result = quantized_allreduce(x, bits=bits, block_size=BLOCK)
+        assert torch.equal(result.values, _qd(_qd(x, bits), bits)) and result.bytes_sent == 0
+        assert torch.equal(result.residual.double() + result.values.double(), x.double())
+    empty = quantized_allreduce(torch.empty(0), bits=8, block_size=BLOCK)
+    assert empty.values.numel() == 0 and empty.residual.numel() == 0
+
+
+# -------------------------------------------------------------------------------- on real gloo groups
+
+
+def _inputs(rank: int, numel: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 17 * rank)
+    x = torch.randn(numel, generator=g) * (rank + 1)
+    x[:: 97] *= 50  # outliers: blocks of different scales
+    return x
+
+
+def _scenarios(rank: int, world_size: int, group: dist.ProcessGroup) -> dict:
+    out: dict = {}
+    for bits in (8, 4):
+        x = _inputs(rank, world_size * SHARD, bits)
+        reduced = quantized_reduce_scatter(x, bits=bits, block_size=BLOCK, group=group)
+        out[f"rs{bits}"] = {"input": x.tolist(), "shard": reduced.shard.tolist(), "error": reduced.error.tolist(),
+                            "finite": bool(reduced.finite), "sent": reduced.sent_by_collective}
+        x = _inputs(rank, NUMEL, 100 + bits)
+        result = quantized_allreduce(x, bits=bits, block_size=BLOCK, group=group)
+        out[f"ar{bits}"] = {"input": x.tolist(), "values": result.values.tolist(),
+                            "residual": result.residual.tolist(), "finite": bool(result.finite),
+                            "sent": result.sent_by_collective}
+    # a NaN in chunk 0 on the last rank: only rank 0's shard is non-finite in a reduce-scatter
+    x = _inputs(rank, world_size * SHARD, 7)
+    if rank == world_size - 1:
+        x[5] = float("nan")
+    out["rs_nan"] = bool(quantized_reduce_scatter(x, bits=8, block_size=BLOCK, group=group).finite)
+    # ... and every rank's result in an AllReduce, wherever the bad value is
+    for name, position, value in [("nan", 5, float("nan")), ("inf", NUMEL - 1, float("inf"))]:
+        x = _inputs(rank, NUMEL, 8)
+        if rank == world_size - 1:
+            x[position] = value
+        result = quantized_allreduce(x, bits=4, block_size=BLOCK, group=group)
+        out[f"ar_{name}"] = bool(result.finite)
+    # finite inputs whose sum overflows float32 on one owner
+    x = _inputs(rank, NUMEL, 9)
+    x[NUMEL // 2] = 3e38
+    out["ar_overflow"] = bool(quantized_allreduce(x, bits=8, block_size=BLOCK, group=group).finite)
+    return out
+
+
+def _every_size(rank: int, world_size: int) -> dict:
+    """One spawn for p = 2..4: subgroups of the first p ranks (every rank creates every group)."""
+    groups = {size: dist.new_group(list(range(size))) for size in range(2, world_size + 1)}
+    return {size: _scenarios(rank, size, group) for size, group in groups.items() if rank < size}
+
+
+@pytest.fixture(scope="module")
+def every_size() -> list[dict]:
+    return run_workers(_every_size, 4, timeout=120)
+
+
+def _ordered_sum(rows: list[torch.Tensor]) -> torch.Tensor:
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+def _by_size(every_size: list[dict], p: int, name: str) -> list[dict]:
+    return [every_size[rank][p][name] for rank in range(p)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reduce_scatter_is_the_rank_order_sum_of_the_dequantized_chunks(every_size, p: int, bits: int) -> None:
+    results = _by_size(every_size, p, f"rs{bits}")
+    inputs = [torch.tensor(r["input"]).reshape(p, SHARD) for r in results]
+    decoded = [_qd(x, bits) for x in inputs]  # what each rank sent, as every owner decodes it
+    for owner, r in enumerate(results):
+        shard = torch.tensor(r["shard"])
+        assert torch.equal(shard, _ordered_sum([d[owner] for d in decoded]))  # bit for bit
+        exact = sum(x[owner].double() for x in inputs)
+        bound = sum(_scales(x[owner], bits) for x in inputs) / 2 + 1e-5 * exact.abs()  # + the float32 sum
+        assert bool(((shard.double() - exact).abs() <= bound).all())
+        assert torch.equal(torch.tensor(r["error"]), (inputs[owner] - decoded[owner]).reshape(-1))
+        assert r["finite"]
+        assert r["sent"] == {"reduce-scatter": (p - 1) * quantized_bytes(SHARD, bits, BLOCK)}
+    if p == 4:  # the formula written out: 4 ceil(300/64) + 300 bits/8 bytes per peer
+        assert results[0]["sent"]["reduce-scatter"] == 3 * (20 + 300 * bits // 8)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_allreduce_is_identical_everywhere_and_error_feedback_telescopes(every_size, p: int, bits: int) -> None:
+    results = _by_size(every_size, p, f"ar{bits}")
+    for r in results[1:]:
+        assert r["values"] == results[0]["values"]  # the same bits on every rank
+    chunk = math.ceil(NUMEL / p)
+    inputs = [torch.nn.functional.pad(torch.tensor(r["input"]), (0, p * chunk - NUMEL)).reshape(p, chunk)
+              for r in results]
+    decoded = [_qd(x, bits) for x in inputs]
+    sums = torch.stack([_ordered_sum([d[owner] for d in decoded]) for owner in range(p)])
+    applied = _qd(sums, bits).reshape(-1)[:NUMEL]
+    values = torch.tensor(results[0]["values"])
+    assert torch.equal(values, applied)
+    assert all(r["finite"] for r in results)
+
+    # EF: sum of residuals + applied == sum of inputs, up to the owners' float32 roundings only: of the
+    # sum S (the same as any float32 AllReduce's) and of adding the carry to the owner's local error
+    total_in = sum(torch.tensor(r["input"]).double() for r in results)
+    total_residual = sum(torch.tensor(r["residual"]).double() for r in results)
+    summation = (sums.double() - sum(d.double() for d in decoded)).reshape(-1)[:NUMEL]  # S - sum q, in float64
+    owners = torch.cat([torch.tensor(results[j]["residual"])[j * chunk:(j + 1) * chunk] for j in range(p)])
+    gap = (total_residual + values.double() - total_in - summation).abs()
+    assert bool((gap <= 2.0**-24 * owners.double().abs() + 1e-12).all()), float(gap.max())
+    magnitude = sum(d.double().abs() for d in decoded).reshape(-1)[:NUMEL]
+    assert bool((summation.abs() <= (p - 1) * 2.0**-24 * magnitude).all())
+    # without the owners' re-quantization error the residuals would not telescope
+    local_only = sum((torch.tensor(r["input"]) - d.reshape(-1)[:NUMEL]).double() for r, d in zip(results, decoded))
+    assert (local_only + values.double() - total_in).abs().max() > 1e-3
+
+    # within the quantization bound of the exact sum: every source's half scale plus the owner's
+    exact = sum(x.double() for x in inputs)
+    bound = (sum(_scales(x, bits) for x in inputs) / 2 + _scales(sums, bits) / 2).reshape(-1)[:NUMEL]
+    assert bool(((values.double() - exact.reshape(-1)[:NUMEL]).abs() <= bound + 1e-5 * magnitude).all())
+    q = quantized_bytes(chunk, bits, BLOCK)
+    for r in results:
+        assert r["sent"] == {"reduce-scatter": (p - 1) * q, "allgather": (p - 1) * q}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_a_nonfinite_value_on_one_rank_reaches_every_rank(every_size, p: int) -> None:
+    assert _by_size(every_size, p, "rs_nan") == [False] + [True] * (p - 1)  # only the owner of chunk 0
+    for name in ("ar_nan", "ar_inf", "ar_overflow"):
+        assert _by_size(every_size, p, name) == [False] * p, name
+
+
+# ---------------------------------------------------------------------------------------- a dead peer
+
+VICTIM = 2
+
+
+def _dies(rank: int, world_size: int, when: str) -> dict:
+    x = _inputs(rank, 4096, 0)
+    quantized_allreduce(x, bits=4, block_size=BLOCK)  # a first exchange that works
+    if rank == VICTIM:
+        if when == "between calls":
+            os.kill(os.getpid(), signal.SIGKILL)
+        honest = quantized_module.dequantize
+
+        def dequantize_then_die(*args, **kwargs):  # called right after the reduce-scatter's transfer
+            os.kill(os.getpid(), signal.SIGKILL)
+            return honest(*args, **kwargs)
+
+        quantized_module.dequantize = dequantize_then_die
+    start = time.monotonic()
+    try:
+        quantized_allreduce(x, bits=4, block_size=BLOCK)
+    except CollectiveError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("when, collective", [("between calls", "reduce-scatter all_to_all_single"),
+                                              ("mid-exchange", "allgather all_to_all_single")])
+def test_a_dead_peer_makes_every_survivor_raise_within_seconds(when: str, collective: str) -> None:
+    results, exit_codes = run_workers_some_die(_dies, 3, when, timeout=60, pg_timeout=30)
+    assert exit_codes[VICTIM] == -signal.SIGKILL, exit_codes
+    for rank in (0, 1):
+        ok, report = results.get(rank, (False, "no report"))
+        assert ok, f"rank {rank}: {report}"
+        assert (report["error"] or "").startswith(f"quantized_allreduce: {collective} failed"), report
+        assert report["seconds"] < 10, report  # the group's own timeout is 30 s
