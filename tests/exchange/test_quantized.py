@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gradwire.errors import CollectiveError, DecodeError
 from gradwire.exchange import quantized as quantized_module
+from gradwire.exchange.alphabeta import Link, choose, dense_allreduce, quantized_allreduce_cost
 from gradwire.exchange.blockquant import LEVELS, dequantize, quantize, quantized_bytes, roundtrip
 from gradwire.exchange.quantized import quantized_allreduce, quantized_reduce_scatter
 
@@ -181,6 +182,19 @@ def test_world_of_one_needs_no_collective_and_telescopes() -> None:
         assert torch.equal(result.residual.double() + result.values.double(), x.double())
     empty = quantized_allreduce(torch.empty(0), bits=8, block_size=BLOCK)
     assert empty.values.numel() == 0 and empty.residual.numel() == 0
+
+
+def test_cost_entry_matches_the_byte_formula_and_can_beat_dense() -> None:
+    cost = quantized_allreduce_cost(1001, 4, bits=4, block_size=BLOCK)
+    assert cost.rounds == 6 and cost.bytes_sent == 2 * 3 * quantized_bytes(251, 4, BLOCK) and cost.decoded_entries == 0
+    assert quantized_allreduce_cost(1001, 1, bits=8, block_size=BLOCK).bytes_sent == 0
+    n = 25_000_000
+    ratio = quantized_allreduce_cost(n, 8, bits=8, block_size=128).bytes_sent / dense_allreduce(n, 8).bytes_sent
+    assert ratio == pytest.approx((1 + 4 / 128) / 4, rel=1e-4)
+    costs = [dense_allreduce(n, 8), quantized_allreduce_cost(n, 8, bits=4, block_size=128)]
+    assert choose(costs, Link.from_rate(1)) == "quantized-allreduce"
+    assert choose([dense_allreduce(1, 8), quantized_allreduce_cost(1, 8, bits=4, block_size=128)],
+                  Link.from_rate(1)) == "dense"  # one value: the scales cost more than they save
 
 
 # -------------------------------------------------------------------------------- on real gloo groups
