@@ -44,8 +44,8 @@ so what was not applied this step is in some rank's residual: EF telescopes, up 
 roundings, both on the owner: of its sum (``S_j - sum_r q_r^j``, what any float32 AllReduce rounds)
 and of ``e_j^j + c_j`` (half an ulp of that residual). ``e_r`` and ``c_j`` themselves are exact
 (:mod:`.blockquant`). The reduce-scatter alone telescopes the same way with ``residual_r = e_r``
-and ``S_j`` applied. Padding is zero on every rank, quantizes to
-exactly zero and carries no residual, so it is dropped from the results.
+and ``S_j`` applied. Padding is zero on every rank, quantizes to exactly zero and carries no
+residual, so it is dropped from the results.
 
 Blocking, on the caller's thread; every rank must call with the same sizes, ``bits`` and
 ``block_size``, in the same order. Every collective is started with ``async_op=True`` and waited
