@@ -19,6 +19,8 @@ coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes, ``S`` summary siz
 strategy                   rounds          bytes                                            decoded
 =========================  ==============  ===============================================  ============
 dense ring AllReduce       2(p-1)          2(p-1)/p · 4n                                    0
+quantized AllReduce        2(p-1)          2(p-1) · Q(ceil(n/p))  (b bits, blocks of B)     0
+                                           ≈ 2(p-1)/p · n (b/8 + 4/B)
 shared-support AllReduce   2(p-1)          2(p-1)/p · v(k+1)   (v: bytes per value)         0
 payload AllGather          (p-1)·r         (p-1) · (k e + h)   (r: 2 with a length round)   (p-1) k
 sparse AllReduce           5(p-1)          (p-1)/p · k e + (p-1) · ι k/p · e                2k
@@ -27,20 +29,28 @@ hierarchical (intra)       4(L-1)          (L-1)/L · 4n + (L-1) · (12 k/L + 20
 hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nodes
 =========================  ==============  ===============================================  ============
 
-The sparse AllReduce's five rounds are the counts and data of its reduce-scatter, the summary
-AllGather, and the lengths and data of its AllGather (:mod:`.sparse_allreduce`); its bytes are
-those its code hands to the collectives (contributions assumed disjoint: the worst case for the
-reduce-scatter). :func:`choose` is a pure function of its arguments: ranks that pass the same
-numbers choose the same strategy; it never returns a strategy predicted slower than dense.
+``Q(s) = 4 ceil(s/B) + ceil(s b/8)`` is one quantized chunk (:func:`.blockquant.quantized_bytes`);
+the quantized AllReduce's rounds are its reduce-scatter and AllGather ``all_to_all_single``s
+(:mod:`.quantized`), and its (de)quantization is elementwise work like dense's additions, not
+decoded entries. It is lossy (the caller's error feedback keeps what it drops): offer it to
+:func:`choose` only where that is acceptable. The sparse AllReduce's five rounds are the counts and
+data of its reduce-scatter, the summary AllGather, and the lengths and data of its AllGather
+(:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives (contributions
+assumed disjoint: the worst case for the reduce-scatter). :func:`choose` is a pure function of its
+arguments: ranks that pass the same numbers choose the same strategy; it never returns a strategy
+predicted slower than dense.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .blockquant import quantized_bytes
+
 #: Strategies in the order ties are broken (dense first: never trade it for an equal prediction).
-STRATEGIES = ("dense", "shared-support", "allgather", "sparse-allreduce", "hierarchical")
+STRATEGIES = ("dense", "quantized-allreduce", "shared-support", "allgather", "sparse-allreduce", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,16 @@ class Cost:
 def dense_allreduce(numel: int, world_size: int, element_bytes: int = 4) -> Cost:
     p = world_size
     return Cost("dense", 2 * (p - 1), 2 * (p - 1) / p * numel * element_bytes if p > 1 else 0.0, 0.0)
+
+
+def quantized_allreduce_cost(numel: int, world_size: int, *, bits: int, block_size: int) -> Cost:
+    """:func:`.quantized_allreduce` of ``numel`` float32 values: a quantized reduce-scatter and an
+    AllGather of the re-quantized shards, each ``(p-1)`` chunks of ``quantized_bytes(ceil(numel/p))``."""
+    p = world_size
+    if p == 1:
+        return Cost("quantized-allreduce", 0, 0.0, 0.0)
+    chunk = quantized_bytes(math.ceil(numel / p), bits, block_size)
+    return Cost("quantized-allreduce", 2 * (p - 1), 2.0 * (p - 1) * chunk, 0.0)
 
 
 def shared_support_allreduce(k: int, world_size: int, value_bytes: int = 4) -> Cost:
