@@ -7,6 +7,8 @@ caller that already guards against bad input with ``except ValueError`` stays co
 
 from __future__ import annotations
 
+import numbers
+
 
 class DecodeError(ValueError):
     """A payload is truncated, corrupt, of an unknown version, or hostile.
@@ -22,6 +24,17 @@ def require(condition: bool, message: str) -> None:
         raise DecodeError(message)
 
 
+def is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's) and not a bool: ``True`` is an int to
+    Python, but never a count, a level or a seed here."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a real number (Python's or numpy's) and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_choice(option: str, value: object, allowed: "list[str] | tuple[str, ...]") -> None:
     """Raise ``ValueError`` naming ``option`` and the ``allowed`` values unless ``value`` is one."""
     if value not in allowed:
@@ -34,6 +47,11 @@ class CollectiveError(RuntimeError):
     Raised on every surviving rank for the same step; the message names the collective and
     the step.
     """
+
+
+def collective_failed(what: str, step: int, error: BaseException) -> CollectiveError:
+    """The one wording of a failed collective: which one, at which step, and why."""
+    return CollectiveError(f"{what} failed at step {step}: {error}")
 
 
 class StepFailedError(RuntimeError):

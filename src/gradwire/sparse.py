@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -74,5 +75,19 @@ class SparseTensor:
             return
         if int(self.indices[0]) < 0 or int(self.indices[-1]) >= self.numel:
             raise ValueError(f"indices must lie in [0, {self.numel})")
-        if self.k > 1 and not bool((self.indices[1:] > self.indices[:-1]).all()):
+        if not strictly_ascending(self.indices):
             raise ValueError("indices must be strictly ascending (sorted, no duplicates)")
+
+
+def strictly_ascending(indices: "torch.Tensor | np.ndarray") -> bool:
+    """Whether a 1-D integer tensor or array is strictly ascending (sorted, no duplicates); an
+    empty or one-element one is."""
+    return bool((indices[1:] > indices[:-1]).all())
+
+
+def is_support(indices: "torch.Tensor | np.ndarray", numel: int) -> bool:
+    """Whether ``indices`` are a valid support of a flat tensor of ``numel`` elements: strictly
+    ascending and inside ``[0, numel)``."""
+    if len(indices) == 0:
+        return True
+    return int(indices[0]) >= 0 and int(indices[-1]) < numel and strictly_ascending(indices)

@@ -56,6 +56,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..errors import is_integer
 from . import state
 
 #: first three octets of the private /24 used only inside the namespaces; rank i gets .(i + 1)
@@ -146,10 +147,10 @@ class ClusterSpec:
     workers_per_node: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 1 <= self.workers <= MAX_WORKERS:
+        if not is_integer(self.workers) or not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers={self.workers!r} is not supported; allowed: an integer from 1 to {MAX_WORKERS}")
         per_node = self.workers_per_node
-        if isinstance(per_node, bool) or not isinstance(per_node, int) or not 1 <= per_node <= self.workers \
+        if not is_integer(per_node) or not 1 <= per_node <= self.workers \
                 or self.workers % per_node:
             raise ValueError(f"workers_per_node={per_node!r} is not supported; allowed: a divisor of "
                              f"workers={self.workers} (1 to {self.workers})")
@@ -491,7 +492,7 @@ class Cluster:
         return down(self.spec.prefix)
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.spec.workers:
+        if not is_integer(rank) or not 0 <= rank < self.spec.workers:
             raise ValueError(f"rank={rank!r} is not supported; allowed: 0 to {self.spec.workers - 1}")
 
     def __enter__(self) -> "Cluster":

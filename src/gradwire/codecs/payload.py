@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..errors import DecodeError, require
+from ..errors import DecodeError, is_integer, require
+from ..sparse import strictly_ascending
 from .base import (
     IndexCodec,
     ValueCodec,
@@ -127,7 +128,7 @@ def _values_at(positions: np.ndarray, indices: np.ndarray, values: torch.Tensor)
 
 
 def _check_sparse(values: torch.Tensor, indices: torch.Tensor, numel: int) -> None:
-    if not isinstance(numel, (int, np.integer)) or isinstance(numel, bool):
+    if not is_integer(numel):
         raise ValueError(f"numel must be an int, got {type(numel).__name__}")
     if not 0 <= numel <= MAX_NUMEL:
         raise ValueError(f"numel={numel} is not in [0, 2**40]")
@@ -139,7 +140,7 @@ def _check_sparse(values: torch.Tensor, indices: torch.Tensor, numel: int) -> No
     if indices.numel():
         if int(indices.min()) < 0 or int(indices.max()) >= numel:
             raise ValueError(f"indices must lie in [0, {numel})")
-        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        if not strictly_ascending(indices):
             raise ValueError("indices must be strictly ascending (sorted, no duplicates)")
 
 
@@ -289,7 +290,7 @@ def decode_tensors(
 
 def _check_max_numel(max_numel: "int | None") -> None:
     if max_numel is not None and (
-        isinstance(max_numel, bool) or not isinstance(max_numel, (int, np.integer)) or max_numel < 0
+        not is_integer(max_numel) or max_numel < 0
     ):
         raise ValueError(f"max_numel={max_numel!r} is not supported; allowed: None or an int >= 0")
 
@@ -327,7 +328,7 @@ def _check_decoded_indices(indices: np.ndarray, numel: int, count: int) -> None:
     require(isinstance(indices, np.ndarray) and indices.shape == (count,), "index codec returned the wrong count")
     if count:
         require(int(indices[0]) >= 0 and int(indices[-1]) < numel, "decoded index out of range")
-        require(bool(np.all(indices[1:] > indices[:-1])), "decoded indices are not strictly ascending")
+        require(strictly_ascending(indices), "decoded indices are not strictly ascending")
 
 
 def encode(

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..errors import CollectiveError, DivergenceError, NonFiniteGradientError, StepFailedError
+from ..errors import CollectiveError, DivergenceError, NonFiniteGradientError, StepFailedError, collective_failed
 from ..exchange.collectives import communication_device
 from ..lifetime import wait_for
 from .config import ExchangeConfig
@@ -131,7 +131,7 @@ class Round:
             work = dist.all_gather(gathered, mine, group=self.process_group, async_op=True)
             wait_for(work, self.config.collective_timeout, f"step-end agreement of step {step}")
         except Exception as error:
-            raise CollectiveError(f"step-end agreement failed at step {step}: {error}") from error
+            raise collective_failed("step-end agreement", step, error) from error
         rows = torch.stack(gathered).cpu().tolist()
         return [int(r[0]) for r in rows], [int(r[1]) for r in rows], [[int(x) for x in r[2:]] for r in rows]
 

@@ -52,7 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..errors import DecodeError
+from ..errors import DecodeError, is_integer
 
 #: Supported code widths and their largest code ``L``.
 LEVELS = {8: 127, 4: 7}
@@ -62,7 +62,7 @@ def check_options(bits: int, block_size: int) -> None:
     """Raise ``ValueError`` unless ``bits`` is 8 or 4 and ``block_size`` an int >= 1."""
     if bits not in LEVELS:
         raise ValueError(f"bits={bits!r} is not supported; allowed: 8, 4")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if not is_integer(block_size) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be an int >= 1")
 
 

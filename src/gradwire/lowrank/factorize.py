@@ -27,6 +27,7 @@ from typing import Iterable
 
 from torch import nn
 
+from ..errors import is_integer, is_real
 from .layers import LowRankConv1D, LowRankConv2d, LowRankLinear, LowRankLSTM, LowRankMultiheadAttention
 
 #: Dense layer type -> its low-rank replacement. Checked in order (subclasses match too).
@@ -78,7 +79,7 @@ class LayerDecision:
 
 def check_rank_ratio(rank_ratio: float) -> None:
     """Raise ``ValueError`` naming ``rank_ratio`` unless it is a number in (0, 1]."""
-    if isinstance(rank_ratio, bool) or not isinstance(rank_ratio, (int, float)) \
+    if not is_real(rank_ratio) \
             or not math.isfinite(rank_ratio) or not 0.0 < rank_ratio <= 1.0:
         raise ValueError(f"rank_ratio={rank_ratio!r} must be a number in (0, 1]")
 
@@ -153,7 +154,7 @@ def check_options(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterab
     """Raise the ``ValueError`` :func:`factorize` would raise for these options, cheaply (no
     SVD): bad ``rank_ratio``/``min_params``, a wrapped or candidate-less model, unknown names."""
     check_rank_ratio(rank_ratio)
-    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
+    if not is_integer(min_params) or min_params < 0:
         raise ValueError(f"min_params={min_params!r} must be an integer >= 0")
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         raise ValueError("factorize: pass the wrapped model (ddp.module), or use lowrank.Warmup, which re-wraps it")

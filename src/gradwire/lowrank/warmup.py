@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import is_integer
 from .factorize import LayerDecision, check_options, factorize
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -54,7 +55,7 @@ class Warmup:
                  rank_ratio: float = 0.25, keep_full: "Iterable[str] | str | None" = None, min_params: int = 0,
                  extra_bn: bool = False, carry_momentum: bool = False,
                  ddp_factory: Callable[[nn.Module], nn.Module] | None = None) -> None:
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
+        if not is_integer(warmup_epochs) or warmup_epochs < 0:
             raise ValueError(f"warmup_epochs={warmup_epochs!r} must be an integer >= 0")
         # Fail now rather than after the warm-up epochs have been paid for.
         check_options(model.module if isinstance(model, DistributedDataParallel) else model,

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from ..configurable import Configurable, instantiate
+from ..errors import is_integer, is_real
 
 
 class Sparsifier(Configurable, ABC):
@@ -103,7 +104,7 @@ class BudgetSparsifier(Sparsifier):
             raise ValueError(f"{self.name} needs exactly one of density or k (got density={density!r}, k={k!r})")
         if density is not None and not is_density(density):
             raise ValueError(f"density={density!r} must be in (0, 1]")
-        if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+        if k is not None and not (is_integer(k) and k >= 1):
             raise ValueError(f"k={k!r} must be an integer >= 1")
         self.density = None if density is None else float(density)
         self.k = k
@@ -138,12 +139,12 @@ class BudgetSparsifier(Sparsifier):
 
 def is_density(value: object) -> bool:
     """Whether ``value`` is a number in (0, 1] (booleans are not numbers here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0
+    return is_real(value) and 0.0 < value <= 1.0
 
 
 def check_seed(seed: int) -> int:
     """Validate a seed option (a non-negative int) and return it."""
-    if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+    if not (is_integer(seed) and seed >= 0):
         raise ValueError(f"seed={seed!r} must be an integer >= 0")
     return seed
 

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from .base import DataSizedSparsifier, check_seed, register_sparsifier
+from ..errors import is_real
 
 #: Elements per pass on the CPU. A full-size ``abs`` temporary of a large tensor costs more in
 #: fresh page faults (~70 ms per 64 MB measured here) than the arithmetic itself; one 4 Mi-element
@@ -83,7 +84,7 @@ class Threshold(DataSizedSparsifier):
     name = "threshold"
 
     def __init__(self, *, threshold: float | None = None, seed: int = 0) -> None:
-        if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+        if not (is_real(threshold)
                 and math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"threshold={threshold!r} must be a finite number > 0")
         self.threshold = float(threshold)

@@ -78,7 +78,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
 import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,7 +86,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ...errors import check_choice, require
+from ...errors import check_choice, is_integer, is_real, require
 from ..base import IndexCodec, IndexEncoding, register_index_codec
 
 #: Largest ``numel`` the codec accepts: the receiver hashes every position.
@@ -387,10 +386,10 @@ class BloomIndexCodec(IndexCodec):
     lossless = False
 
     def __init__(self, *, fpr: float = 0.01, policy: str = "p0", seed: int = 0) -> None:
-        if isinstance(fpr, bool) or not isinstance(fpr, numbers.Real) or not 2.0**-32 <= fpr < 1.0:
+        if not is_real(fpr) or not 2.0**-32 <= fpr < 1.0:
             raise ValueError(f"fpr={fpr!r} is not supported; allowed: a number with 2**-32 <= fpr < 1")
         check_choice("policy", policy, POLICIES)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= _MASK64:
+        if not is_integer(seed) or not 0 <= seed <= _MASK64:
             raise ValueError(f"seed={seed!r} is not supported; allowed: an integer in [0, 2**64)")
         self.fpr = float(fpr)
         self.policy = policy

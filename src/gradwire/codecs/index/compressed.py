@@ -21,7 +21,8 @@ import zlib
 import numpy as np
 import zstandard
 
-from ...errors import DecodeError, require
+from ...errors import DecodeError, is_integer, require
+from ...sparse import strictly_ascending
 from ..base import IndexCodec, IndexEncoding, register_index_codec
 from ..bits import DEFLATE_MAX_RATIO, ZSTD_MAX_RATIO, ByteReader
 from ._bitstream import require_count
@@ -38,7 +39,7 @@ def _index_bytes(indices: np.ndarray, numel: int) -> tuple[int, bytes]:
 
 
 def _check_level(level: object, low: int, high: int) -> int:
-    if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or not low <= level <= high:
+    if not is_integer(level) or not low <= level <= high:
         raise ValueError(f"level={level!r} is not supported; allowed: an int in [{low}, {high}]")
     return int(level)
 
@@ -63,7 +64,7 @@ def _positions(raw: bytes, width: int, numel: int) -> np.ndarray:
     if positions.size:
         require(int(positions[-1]) < numel, "index exceeds the tensor size")
         # The raw bytes carry no structure; ascending order must be checked, not assumed.
-        require(bool(np.all(positions[1:] > positions[:-1])), "indices are not strictly ascending")
+        require(strictly_ascending(positions), "indices are not strictly ascending")
     return positions
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import require
+from ...sparse import strictly_ascending
 from ..base import IndexCodec, IndexEncoding, register_index_codec
 from ._bitstream import read_fixed, require_count, require_zero_padding, write_fixed
 
@@ -63,5 +64,5 @@ class EliasFanoIndexCodec(IndexCodec):
         positions = (high << width) | low.astype(np.int64)
         require(int(positions[-1]) < numel, "index exceeds the tensor size")
         # Equal high parts need ascending low parts; nothing above guarantees that.
-        require(bool(np.all(positions[1:] > positions[:-1])), "indices are not strictly ascending")
+        require(strictly_ascending(positions), "indices are not strictly ascending")
         return positions

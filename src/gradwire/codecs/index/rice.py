@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from ...errors import require
+from ...errors import is_integer, require
 from ..base import IndexCodec, IndexEncoding, register_index_codec
 from ..bits import pack_unary, unpack_unary
 from ._bitstream import (
@@ -57,8 +57,7 @@ class RiceIndexCodec(IndexCodec):
 
     def __init__(self, *, parameter: "int | None" = None) -> None:
         if parameter is not None and (
-            not isinstance(parameter, (int, np.integer))
-            or isinstance(parameter, bool)
+            not is_integer(parameter)
             or not 0 <= parameter <= MAX_POSITION_BITS
         ):
             raise ValueError(

@@ -73,7 +73,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ...errors import require
+from ...errors import is_real, require
 from ..bits import ByteReader, bit_width, pack_uint, unpack_uint
 from ._ans import MAX_ALPHABET, decode_symbols, encode_symbols
 
@@ -516,7 +516,7 @@ def _read_raw(raw: memoryview, kind: int, count: int, exponent: int, dtype: torc
 
 def check_tolerance(tolerance: float) -> float:
     """Validate the ``tolerance`` option: a real number in (0, 1]."""
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float, np.floating, np.integer)) or not (
+    if not is_real(tolerance) or not (
         0 < float(tolerance) <= 1
     ):
         raise ValueError(f"tolerance={tolerance!r} is not supported; allowed: a number in (0, 1] (fraction of max|values|)")

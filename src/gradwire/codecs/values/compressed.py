@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ...errors import DecodeError, require
+from ...errors import DecodeError, is_integer, require
 from ..base import ValueCodec, register_value_codec
 from ..bits import DEFLATE_MAX_RATIO, ZSTD_MAX_RATIO
 
@@ -74,7 +74,7 @@ class _CompressedCodec(ValueCodec):
 
     def __init__(self, *, level: int, shuffle: bool = True) -> None:
         low, high = self.level_range
-        if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not low <= level <= high:
+        if not is_integer(level) or not low <= level <= high:
             raise ValueError(f"level={level!r} is not supported by {self.name}; allowed: integers {low}..{high}")
         if not isinstance(shuffle, bool):
             raise ValueError(f"shuffle={shuffle!r} is not supported; allowed: True, False")

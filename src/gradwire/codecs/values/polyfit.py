@@ -32,6 +32,7 @@ import torch
 
 from ..base import ValueCodec, register_value_codec
 from ._fit import Batch, CurveModel, check_flag, check_tolerance, decode_fit, encode_fit
+from ...errors import is_integer
 
 MAX_DEGREE = 10
 
@@ -91,7 +92,7 @@ class PolyFitCodec(ValueCodec):
     def __init__(self, *, tolerance: float = 0.05, degree: int = 3, level_layout: bool = True) -> None:
         self.tolerance = check_tolerance(tolerance)
         self.level_layout = check_flag("level_layout", level_layout)
-        if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or not 0 <= degree <= MAX_DEGREE:
+        if not is_integer(degree) or not 0 <= degree <= MAX_DEGREE:
             raise ValueError(f"degree={degree!r} is not supported; allowed: integers 0..{MAX_DEGREE}")
         self.degree = int(degree)
 

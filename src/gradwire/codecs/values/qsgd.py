@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import require
+from ...errors import is_integer, require
 from ..base import ValueCodec, register_value_codec
 from ..bits import ByteReader, pack_uint, unpack_uint
 
@@ -91,15 +91,14 @@ class QSGDCodec(ValueCodec):
     lossless = False
 
     def __init__(self, *, bits: int = 4, bucket_size: int = 512, seed: "int | None" = None) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 2 <= bits <= 8:
+        if not is_integer(bits) or not 2 <= bits <= 8:
             raise ValueError(f"bits={bits!r} is not supported; allowed: integers 2..8")
         if (
-            isinstance(bucket_size, bool)
-            or not isinstance(bucket_size, (int, np.integer))
+            not is_integer(bucket_size)
             or not 1 <= bucket_size < 1 << 32
         ):
             raise ValueError(f"bucket_size={bucket_size!r} is not supported; allowed: integers 1..2**32-1")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        if seed is not None and (not is_integer(seed) or seed < 0):
             raise ValueError(f"seed={seed!r} is not supported; allowed: None or a non-negative integer")
         self.bits = int(bits)
         self.bucket_size = int(bucket_size)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import check_choice, require
+from ...errors import check_choice, is_integer, require
 from ..base import ValueCodec, register_value_codec
 from ..bits import ByteReader
 from ._ans import decode_symbols, encode_symbols
@@ -139,14 +139,14 @@ class QSGDANSCodec(ValueCodec):
 
     def __init__(self, *, levels: int = 7, norm: str = "l2", bucket_size: int = 512, rounding: str = "stochastic",
                  seed: "int | None" = None) -> None:
-        if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) or not 1 <= levels <= MAX_LEVELS:
+        if not is_integer(levels) or not 1 <= levels <= MAX_LEVELS:
             raise ValueError(f"levels={levels!r} is not supported; allowed: integers 1..{MAX_LEVELS}")
         check_choice("norm", norm, NORMS)
         check_choice("rounding", rounding, ROUNDINGS)
-        if (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer))
+        if (not is_integer(bucket_size)
                 or not 1 <= bucket_size < 1 << 32):
             raise ValueError(f"bucket_size={bucket_size!r} is not supported; allowed: integers 1..2**32-1")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        if seed is not None and (not is_integer(seed) or seed < 0):
             raise ValueError(f"seed={seed!r} is not supported; allowed: None or a non-negative integer")
         self.levels = int(levels)
         self.norm = norm

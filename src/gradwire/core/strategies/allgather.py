@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..payload import EncodedBucket, Part, decode_bucket, encode_bucket
-from ...errors import CollectiveError, DecodeError
+from ...errors import DecodeError, collective_failed
 from ...exchange import FRAME_HEADER_BYTES, ByteGather, CostModel, gather_frames, gather_overflow
 from ..frames import FRAME_HEADROOM, FrameSizes
 from ..group import Group, all_finite
@@ -92,7 +92,7 @@ class PayloadAllGather(ExchangeStrategy):
         try:
             lengths = gather.lengths()
         except Exception as error:
-            group.mark_failed(CollectiveError(f"AllGather of payload lengths failed at step {context.step}: {error}"))
+            group.mark_failed(collective_failed("AllGather of payload lengths", context.step, error))
             return Exchange(context, group)
         context.stats.add("seconds_communicate", time.perf_counter() - started)
         if min(lengths) < 0:
@@ -159,7 +159,7 @@ class PayloadAllGather(ExchangeStrategy):
                     tails = gather_overflow(record.payload, record.capacity, lengths, context.process_group,
                                             timeout=context.timeout)
                 except Exception as error:
-                    raise CollectiveError(f"AllGather of frame overflow failed at step {context.step}: {error}") from error
+                    raise collective_failed("AllGather of frame overflow", context.step, error) from error
                 context.stats.add("seconds_communicate", time.perf_counter() - started)
                 context.stats.add("bytes_sent", float((context.world_size - 1) * (max(lengths) - record.capacity)))
                 context.stats.add("count_frame_overflows", 1)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ...codecs.base import IndexCodec, ValueCodec
-from ...errors import CollectiveError
+from ...errors import collective_failed
 from ...exchange.inflight import Launched
 from ..group import Group
 from ..stats import ExchangeStats
@@ -110,7 +110,7 @@ class Exchange:
             try:
                 value = launched.result(timeout)
             except BaseException as error:
-                raise CollectiveError(f"{launched.collective} failed at step {self.step}: {error}") from error
+                raise collective_failed(launched.collective, self.step, error) from error
             # launch to completion as the hook's thread saw it: an upper bound on time on the wire
             self.context.stats.add("seconds_communicate", time.perf_counter() - self.started)
             if self.finish is not None:

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from ...errors import CollectiveError, DecodeError
+from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
 from ...sparsify.base import Sparsifier
 from ..group import Group
@@ -87,7 +87,7 @@ class HierarchicalExchange(ExchangeStrategy):
         except (DecodeError, CollectiveError) as error:
             raise (self.codec.error or error)
         except RuntimeError as error:
-            raise CollectiveError(f"hierarchical exchange failed at step {step}: {error}") from error
+            raise collective_failed("hierarchical exchange", step, error) from error
         context.stats.add("bytes_sent", float(sum(result.sent_intra.values()) + sum(result.sent_cross.values())))
         context.stats.add("bytes_sent_cross_node", float(sum(result.sent_cross.values())))
         context.stats.add("count_hierarchical_buckets", 1)

@@ -8,7 +8,7 @@ import torch
 
 from ... import codecs as codec_layer
 from ...codecs.base import IndexCodec, ValueCodec
-from ...errors import CollectiveError, DecodeError
+from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
 from ..group import Group, all_finite
@@ -86,7 +86,7 @@ class SparseAllReduce(ExchangeStrategy):
         except (DecodeError, CollectiveError) as error:
             raise (self.codec.error or error)
         except RuntimeError as error:
-            raise CollectiveError(f"sparse AllReduce failed at step {context.step}: {error}") from error
+            raise collective_failed("sparse AllReduce", context.step, error) from error
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_sparse_allreduce_buckets", 1)
         with context.stats.timer("decode"):
