@@ -115,3 +115,33 @@ def test_threshold_search_never_keeps_nan() -> None:
     flat[::1000] = float("nan")
     indices = get_sparsifier("sampled-topk", density=0.01).select(flat)
     assert not bool(torch.isnan(flat[indices]).any())
+
+
+@pytest.mark.parametrize("shape", ["normal", "on-sample", "periodic", "mostly-zero", "ties", "small"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_fused_compensate_and_select_equals_compensate_then_select(shape: str, with_residual: bool) -> None:
+    """One chunked pass (add, then scan each chunk in cache) gives what the two steps give: the
+    same compensated tensor, bit for bit, and the same positions."""
+    from gradwire.sparsify.topk import FUSED_CHUNK_NUMEL, compensated_largest_magnitudes, largest_magnitudes
+
+    numel = 1000 if shape == "small" else 3 * FUSED_CHUNK_NUMEL + 11
+    base = random_flat(numel, seed=5)
+    positions = torch.arange(numel)
+    grad = {
+        "normal": base, "small": base, "ties": torch.round(base * 2) / 2,
+        "on-sample": torch.where(positions % 32 == 0, base * 100, base * 1e-3),
+        "periodic": torch.where(positions % 32 == 5, base * 100, base * 1e-3),
+        "mostly-zero": torch.where(positions % 700 == 0, base, torch.zeros(())),
+    }[shape]
+    residual = random_flat(numel, seed=6) * 0.3 if with_residual else None
+    k = max(1, numel // 100)
+    out = torch.full((numel,), float("nan"))
+    fused = compensated_largest_magnitudes(grad, residual, out, k)
+    compensated = grad + residual if residual is not None else grad.clone()
+    assert torch.equal(out, compensated)
+    expected = largest_magnitudes(compensated, k)
+    magnitudes = compensated.abs()
+    assert fused.numel() == k and bool((fused[1:] > fused[:-1]).all())
+    assert torch.equal(torch.sort(magnitudes[fused]).values, torch.sort(magnitudes[expected]).values)
+    if shape != "ties":  # distinct values: the positions themselves are determined
+        assert torch.equal(fused, expected)

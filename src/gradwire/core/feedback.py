@@ -46,12 +46,17 @@ class ErrorFeedback:
             return spare
         return torch.empty(like.numel(), dtype=dtype, device=like.device)
 
+    def prepare(self, key: Hashable, grad: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor | None]":
+        """The buffer ``grad + residual`` goes into (flat, float32/float64, ``grad.numel()``
+        elements, owned by the caller until :meth:`update` or :meth:`clear`) and the residual to
+        add (None: nothing owed yet), for a caller that computes the sum itself (fused with a scan)."""
+        return self._buffer(key, grad), self.residuals.get(key)
+
     def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` as a flat tensor (float32/float64) of ``grad.numel()`` elements,
         owned by the caller until :meth:`update` or :meth:`clear`; ``grad`` is not modified."""
         flat = grad.reshape(-1)
-        out = self._buffer(key, flat)
-        residual = self.residuals.get(key)
+        out, residual = self.prepare(key, flat)
         if residual is None:
             out.copy_(flat)
         else:

@@ -16,6 +16,7 @@ has the same entry point, ``start(group)``.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -130,9 +131,9 @@ class Group:
     k: Optional[int] = None
     status: Status = Status.PENDING
     error: Optional[BaseException] = None
-    #: a hash of what this rank summed, equal on every rank when nothing was corrupted in flight
-    #: (None: nothing to compare); set by the strategy when it writes
-    digest: Optional[int] = None
+    #: a hash of what this rank summed (:mod:`.digest`), equal on every rank when nothing was
+    #: corrupted in flight; set by the strategy when it writes (None: the written result is hashed)
+    digest: Optional["int | torch.Tensor"] = None
     #: error-feedback updates, applied only once every rank agreed the round succeeded
     feedback_updates: list[tuple[Hashable, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     feedback_clears: list[Hashable] = field(default_factory=list)
@@ -210,6 +211,29 @@ def offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
     if remainder or not 0 <= offset <= buffer.numel() - view.numel():
         raise RuntimeError("gradient is not a view of its bucket buffer")
     return offset
+
+
+def check_entries(group: Group) -> None:
+    """Set ``group.finite`` (every gradient finite on this rank) and each entry's ``unused`` (its
+    gradient is all zeros here), from one fused pass over the group and one host sync.
+
+    ``torch._foreach_norm`` (L2) reads every gradient once; a zero norm means all zeros and a
+    finite norm means no NaN/Inf, except where squaring under- or overflows (elements below
+    ~1e-23 or above ~1e19 in float32): so a zero norm is confirmed by ``any()`` and a non-finite
+    one by an exact ``isfinite`` check, on that entry alone — rare paths, exact results.
+    """
+    entries = group.entries
+    if not entries:
+        group.finite = group.finite and all(all_finite(t) for t in group.target.inputs())
+        return
+    grads = [entry.grad.reshape(-1) for entry in entries]
+    norms = torch.stack(torch._foreach_norm(grads)).tolist()
+    finite = True
+    for entry, grad, norm in zip(entries, grads, norms):
+        entry.unused = norm == 0.0 and not bool(grad.any())
+        if not math.isfinite(norm):
+            finite = finite and bool(torch.isfinite(grad).all())
+    group.finite = group.finite and finite
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from ..exchange.collectives import world_size_of
 from . import checkpoint
 from .config import ExchangeConfig
 from .feedback import ErrorFeedback, MomentumCorrection
-from .group import Group, all_finite
+from .group import Group, check_entries
 from .planner import COMPENSATE, SELECT, Planner
 from .round import Round, Verdict
 from .selection import Selection
@@ -96,7 +96,8 @@ class Pipeline:
 
     def _start(self, group: Group, step: int, strategies: dict[str, ExchangeStrategy]) -> Exchange:
         assert self._planner is not None
-        group.finite = group.finite and all(all_finite(tensor) for tensor in group.target.inputs())
+        with self.stats.timer("check"):
+            check_entries(group)
         plan = self._planner.plan(group, step)
         if plan.selection == SELECT:
             assert self.selection is not None

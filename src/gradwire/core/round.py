@@ -9,9 +9,9 @@ front-end's thread (:meth:`Round.wait`, then :meth:`Round.agree`):
 2. (the pipeline lets each strategy run its second rounds, e.g. frame overflow, in launch order;)
 3. **agree**: one AllGather of ``[status, digest, *extras]`` per rank (int64 each). ``status`` is
    the worst outcome of this rank's groups (:class:`~gradwire.core.group.Status`); ``digest`` a
-   63-bit hash of what it summed (``verify="digest"``; each group's own ``digest`` when its strategy
-   set one, else its written result), equal on every rank unless something was corrupted in
-   flight; ``extras`` whatever the front-end or planner wants every rank to see (measured times);
+   63-bit hash of what it summed (``verify="digest"``, :mod:`.digest`: each group's own digest
+   when its strategy set one, else its written result), equal on every rank unless something
+   was corrupted in flight; ``extras`` whatever the front-end or planner wants every rank to see (measured times);
 4. decide the same way on every rank (:class:`Verdict`):
    * some rank failed (a payload it could not decode, a collective that failed or timed out)
      -> every rank raises (its own error, or :class:`StepFailedError` naming the failed ranks);
@@ -33,12 +33,12 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from ..errors import CollectiveError, DivergenceError, NonFiniteGradientError, StepFailedError, collective_failed
 from ..exchange.collectives import communication_device
 from ..lifetime import wait_for
 from .config import ExchangeConfig
+from .digest import combine, digest_of
 from .feedback import ErrorFeedback
 from .group import Group, Status
 from .stats import ExchangeStats
@@ -137,17 +137,10 @@ class Round:
 
     @staticmethod
     def _digest(groups: Sequence[Group]) -> int:
-        """63 bits of xxh3 over the round's groups in order: a group's own ``digest`` when its
-        strategy set one, else its written result (CPU tensors hashed in place; CUDA ones by an
-        exact integer checksum of their bit patterns)."""
-        hasher = xxhash.xxh3_64()
-        for group in groups:
-            if group.digest is not None:
-                hasher.update(group.digest.to_bytes(8, "little"))
-                continue
-            for result in group.target.results():
-                hash_tensor(hasher, result)
-        return hasher.intdigest() >> 1
+        """63 bits over the round's groups in order: a group's own ``digest`` when its strategy
+        set one (what it summed, see :mod:`.digest`), else its written result."""
+        return combine([group.digest if group.digest is not None else digest_of(group.target.results())
+                        for group in groups])
 
     def _apply_feedback(self, groups: Sequence[Group]) -> None:
         if self.feedback is None:
@@ -160,18 +153,3 @@ class Round:
             for key, compensated, indices, sent in group.feedback_updates:
                 self.feedback.update(key, compensated, indices, sent)
 
-
-def hash_tensor(hasher: "xxhash.xxh3_64", tensor: torch.Tensor) -> None:
-    """Feed ``tensor``'s bits to ``hasher``: in place on the CPU; on CUDA an exact integer
-    checksum of the bit patterns (one reduction on the device, 16 bytes to the host)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.device.type == "cpu":
-        hasher.update(memoryview(flat.contiguous().view(torch.uint8).numpy()))
-        return
-    words = flat.contiguous().view(torch.uint8)
-    pad = (-words.numel()) % 4
-    if pad:
-        words = torch.cat([words, words.new_zeros(pad)])
-    ints = words.view(torch.int32).to(torch.int64)
-    weights = torch.arange(1, ints.numel() + 1, device=ints.device, dtype=torch.int64) % 65521 + 1
-    hasher.update(int((ints * weights).sum()).to_bytes(16, "little", signed=True))

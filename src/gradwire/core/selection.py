@@ -35,24 +35,50 @@ class Selection:
         self.stats = stats
 
     def compensate(self, group: Group, *, detect_unused: bool = True) -> None:
-        """Steps 1-2 only (an exchange that selects on something else, e.g. a node's sum)."""
+        """Steps 1-2 only (an exchange that selects on something else, e.g. a node's sum).
+        ``entry.unused`` comes from the pipeline's check (:func:`~.group.check_entries`)."""
         finite = group.finite
-        for entry in group.entries:
-            entry.unused = detect_unused and finite and not bool(entry.grad.any())
-            entry.compensated = self._compensate(entry, finite)
+        with self.stats.timer("compensate"):
+            for entry in group.entries:
+                entry.unused = detect_unused and finite and entry.unused
+                entry.compensated = self._compensate(entry, finite)
         self.stats.add("count_compensations", len(group.entries))
 
     def run(self, group: Group, step: int) -> None:
-        """Steps 1-3: compensate, then select."""
-        with self.stats.timer("sparsify"):
-            self.compensate(group)
+        """Steps 1-3: compensate, then select (fused per entry where the sparsifier can, see
+        :meth:`~gradwire.sparsify.Sparsifier.select_compensated`: timed as ``select`` then)."""
+        if self.scope == "layer" and type(self.feedback) in (ErrorFeedback, type(None)):
+            self._run_fused(group, step)
+            return
+        self.compensate(group)
+        with self.stats.timer("select"):
             if self.scope == "global":  # unused entries hold zeros, which a per-rank support skips
                 selected = select_global(self.sparsifier, [e.compensated for e in group.entries], step=step)
             else:
                 selected = [self._select_one(entry, step) for entry in group.entries]
             for entry, indices in zip(group.entries, selected):
                 entry.indices = indices
-            self.stats.add("count_selections", len(group.entries))
+        self.stats.add("count_selections", len(group.entries))
+
+    def _run_fused(self, group: Group, step: int) -> None:
+        finite = group.finite
+        with self.stats.timer("select"):
+            for entry in group.entries:
+                entry.unused = finite and entry.unused
+                if not finite or entry.unused:
+                    entry.compensated = self._compensate(entry, finite)
+                    entry.indices = self._select_one(entry, step)
+                    continue
+                grad = entry.grad.reshape(-1)
+                if self.feedback is not None:
+                    out, residual = self.feedback.prepare(entry.key, grad)
+                else:
+                    out, residual = torch.empty(grad.numel(), dtype=accumulation_dtype(grad), device=grad.device), None
+                entry.indices = self.sparsifier.select_compensated(grad, residual, out, step=step,
+                                                                   tensor_id=entry.tensor_id)
+                entry.compensated = out
+        self.stats.add("count_compensations", len(group.entries))
+        self.stats.add("count_selections", len(group.entries))
 
     def _compensate(self, entry: Entry, finite: bool) -> torch.Tensor:
         if not finite or entry.unused:  # nothing of it is sent; its residual stays as it is

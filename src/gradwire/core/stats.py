@@ -12,7 +12,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("sparsify", "encode", "communicate", "decode")
+#: Phases timed on the hot path (seconds_<phase>); ``sparsify`` is reported as compensate + select.
+PHASES = ("check", "compensate", "select", "sparsify", "encode", "communicate", "decode", "agree")
 
 
 class ExchangeStats:
@@ -51,6 +52,8 @@ class ExchangeStats:
         for prefix, source in (("", self.last), ("total_", self.total)):
             for key in ("bytes_sent", "bytes_dense", *(f"seconds_{p}" for p in PHASES)):
                 out[prefix + key] = float(source.get(key, 0.0))
+            out[prefix + "seconds_sparsify"] = float(source.get("seconds_compensate", 0.0)
+                                                     + source.get("seconds_select", 0.0))
             sent = source.get("bytes_sent", 0.0)
             out[prefix + "compression_ratio"] = float(source.get("bytes_dense", 0.0) / sent) if sent else 0.0
         for key, value in self.total.items():

@@ -66,6 +66,26 @@ class Sparsifier(Configurable, ABC):
     def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
         """:meth:`select` for a validated, non-empty ``flat``."""
 
+    def select_compensated(self, grad: torch.Tensor, residual: "torch.Tensor | None", out: torch.Tensor, *,
+                           step: int = 0, tensor_id: int = 0) -> torch.Tensor:
+        """``out = grad + residual`` (``out = grad`` when ``residual`` is None), then :meth:`select`
+        on ``out``. A sparsifier may fuse the two (``topk`` does, on the CPU: one pass over memory
+        instead of two); the result is the same.
+
+        Args:
+            grad: (numel,) floating gradient, not modified.
+            residual: (numel,) in ``out``'s dtype, or None.
+            out: (numel,) float32/float64 buffer for the compensated gradient.
+
+        Returns:
+            int64 indices as :meth:`select` returns them.
+        """
+        if residual is None:
+            out.copy_(grad.reshape(-1))
+        else:
+            torch.add(grad.reshape(-1), residual, out=out)
+        return self.select(out, step=step, tensor_id=tensor_id)
+
     @abstractmethod
     def target_k(self, numel: int) -> int | None:
         """How many of ``numel`` elements this sparsifier aims to keep (None: no target)."""

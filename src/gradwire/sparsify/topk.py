@@ -4,40 +4,68 @@
 CPU (about 0.25 s for ResNet-18's 11M gradients, one thread). The result does not need it: if
 at least ``k`` elements have ``|x| >= t`` for some ``t``, the k largest are all among them. So
 large tensors take a threshold from an evenly spaced sample, set low enough that it almost
-always leaves a few more than ``k`` candidates, scan once for ``|x| >= t`` and run the exact
-top-k over the candidates only. Too few candidates lower ``t`` and rescan; the answer is exact
+always leaves a few more than ``k`` candidates, scan once for ``|x| >= t`` and pick the exact
+top-k of the candidates only. Too few candidates lower ``t`` and rescan; the answer is exact
 either way, only the time depends on the sample.
+
+On the CPU the picking runs in numpy: ``np.partition`` finds the k-th largest of ~100k
+candidates in 0.13 ms where ``torch.topk`` + ``torch.sort`` take 3.8 ms (one thread, measured
+here), and a threshold mask keeps the positions ascending with no sort at all.
+
+With error feedback the selection reads ``grad + residual``, which compensation has just
+written: :func:`compensated_largest_magnitudes` does both in one chunked pass (add a chunk,
+scan it while it is still in cache), so the compensated tensor crosses memory once.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import numpy as np
 import torch
 
 from .base import BudgetSparsifier, register_sparsifier
-from .threshold import indices_at_or_above
+from .threshold import NUMPY_DTYPES, chunk_buffers, indices_at_or_above, representable_at_least
 
-#: Below this many elements ``torch.topk`` over everything is as fast as a scan.
-SCAN_MIN_NUMEL = 1 << 16
-#: The scan pays only when it leaves few candidates: above this density use ``torch.topk``.
+#: Below this many elements picking over everything is as fast as sampling and scanning
+#: (measured here, one thread: 129 us vs 123 us at 36,864 elements).
+SCAN_MIN_NUMEL = 1 << 15
+#: The scan pays only when it leaves few candidates: above this density pick over everything.
 SCAN_MAX_DENSITY = 0.25
 #: Sample size for the threshold estimate (evenly spaced, so deterministic and cheap).
 SAMPLE_SIZE = 1 << 13
 #: Lowering the threshold when a scan left fewer than ``k`` candidates: widen the sample rank by this.
 _WIDEN = 4.0
+#: Elements per chunk of the fused compensate-and-scan: small enough that the chunk, its
+#: magnitudes and its mask (9 bytes per float32 element) stay in a core's L2 cache.
+FUSED_CHUNK_NUMEL = 1 << 16
 
 
 def topk_indices(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 positions of the ``k`` largest entries of ``magnitudes`` (1-D, ``k <= numel``).
-
-    Ties at the k-th value are broken by ``torch.topk`` (arbitrary but deterministic on a device);
-    NaN ranks above every number.
-    """
+    """Ascending int64 positions of the ``k`` largest entries of ``magnitudes`` (1-D, no NaN,
+    ``k <= numel``). Ties at the k-th value keep the first positions."""
+    if magnitudes.device.type == "cpu" and magnitudes.dtype in NUMPY_DTYPES:
+        return torch.from_numpy(_largest_numpy(magnitudes.detach().contiguous().numpy(), k))
     # sorted=False: ordering by value is wasted work, we need ordering by position instead.
     _, indices = torch.topk(magnitudes, k, sorted=False)
     indices, _ = torch.sort(indices)
     return indices
+
+
+def _largest_numpy(magnitudes: np.ndarray, k: int) -> np.ndarray:
+    """Ascending int64 positions of the ``k`` largest of ``magnitudes`` (no NaN): the k-th largest
+    by ``np.partition``, everything above it, then the first tied ones up to ``k``."""
+    n = magnitudes.size
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    kth = np.partition(magnitudes, n - k)[n - k]
+    mask = magnitudes > kth
+    short = k - int(np.count_nonzero(mask))
+    if short:
+        tied = np.flatnonzero(magnitudes == kth)
+        mask[tied[:short]] = True
+    return np.flatnonzero(mask).astype(np.int64, copy=False)
 
 
 def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -49,8 +77,56 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     numel = flat.numel()
     if numel < SCAN_MIN_NUMEL or k > SCAN_MAX_DENSITY * numel:
         return topk_indices(_magnitudes_nan_last(flat), k)
+    found = _scan_from_sample(flat[:: max(1, numel // SAMPLE_SIZE)], numel, k,
+                              lambda threshold: indices_at_or_above(flat, threshold))
+    if found is not None:
+        return _finish(flat, found, k)
+    return topk_indices(_magnitudes_nan_last(flat), k)
+
+
+def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                                   k: int) -> torch.Tensor:
+    """``out = grad + residual`` (``out = grad`` without a residual) and the ascending int64
+    positions of the ``k`` largest ``|out|``: the same result as compensating, then
+    :func:`largest_magnitudes`, with one pass over memory on the CPU.
+
+    Args:
+        grad: (n,) float gradient (not modified).
+        residual: (n,) of ``out``'s dtype, or None.
+        out: (n,) float32/float64 buffer that receives the compensated gradient.
+        k: ``1 <= k <= n``.
+    """
+    numel = grad.numel()
+    fused = (out.device.type == "cpu" and out.dtype in NUMPY_DTYPES and numel >= SCAN_MIN_NUMEL
+             and k <= SCAN_MAX_DENSITY * numel and out.is_contiguous())
+    if not fused:
+        _compensate_into(grad, residual, out)
+        return largest_magnitudes(out, k)
     stride = max(1, numel // SAMPLE_SIZE)
-    sample = flat[::stride].abs().float().nan_to_num_(nan=-1.0)
+    sample = grad[::stride].to(out.dtype)
+    if residual is not None:
+        sample = sample + residual[::stride]
+    state = {"compensated": False}
+
+    def scan(threshold: float) -> torch.Tensor:
+        if state["compensated"]:  # a rescan at a lower threshold reads the compensated tensor
+            return indices_at_or_above(out, threshold)
+        state["compensated"] = True
+        return _compensate_and_scan(grad, residual, out, threshold)
+
+    found = _scan_from_sample(sample, numel, k, scan)
+    if not state["compensated"]:
+        _compensate_into(grad, residual, out)
+    if found is not None:
+        return _finish(out, found, k)
+    return topk_indices(_magnitudes_nan_last(out), k)
+
+
+def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> Optional[torch.Tensor]:
+    """Candidates (ascending positions with ``|x| >= t``, at least ``k`` of them) for a threshold
+    ``t`` read off an evenly spaced ``sample``, lowered until enough pass; None when the sample
+    says a scan would keep nearly everything (pick over everything instead)."""
+    sample = sample.abs().float().nan_to_num_(nan=-1.0)
     size = sample.numel()
     # Expected k*size/numel sample elements lie above the true k-th magnitude; aim for a rank
     # well beyond that (mean + 4 standard deviations + 8) so that one scan almost always suffices.
@@ -59,12 +135,52 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     while rank < size:
         threshold = float(torch.kthvalue(sample, size - int(rank) + 1).values)
         if threshold <= 0.0:
-            break  # mostly zeros: a scan would keep nearly everything
-        candidates = indices_at_or_above(flat, threshold)
+            return None  # mostly zeros: a scan would keep nearly everything
+        candidates = scan(threshold)
         if candidates.numel() >= k:
-            return candidates[topk_indices(flat[candidates].abs(), k)]
+            return candidates
         rank *= _WIDEN
-    return topk_indices(_magnitudes_nan_last(flat), k)
+    return None
+
+
+def _finish(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """The exact top-k among the candidates (which hold every element at or above the k-th)."""
+    return candidates[topk_indices(flat[candidates].abs(), k)]
+
+
+def _compensate_into(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    flat = grad.reshape(-1)
+    if residual is None:
+        out.copy_(flat)
+    else:
+        torch.add(flat, residual, out=out)
+
+
+def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                         threshold: float) -> torch.Tensor:
+    """``out = grad + residual`` chunk by chunk, each chunk scanned for ``|x| >= threshold``
+    while it is in cache; ascending int64 positions."""
+    numpy_dtype = NUMPY_DTYPES[out.dtype]
+    limit = numpy_dtype(representable_at_least(threshold, out.dtype))
+    flat = grad.reshape(-1)
+    compensated = out.numpy()
+    numel = out.numel()
+    chunk = min(numel, FUSED_CHUNK_NUMEL)
+    magnitudes, mask = chunk_buffers(chunk, np.dtype(numpy_dtype))
+    pieces = []
+    for start in range(0, numel, chunk):
+        stop = min(numel, start + chunk)
+        if residual is None:
+            out[start:stop].copy_(flat[start:stop])
+        else:
+            torch.add(flat[start:stop], residual[start:stop], out=out[start:stop])
+        size = stop - start
+        np.abs(compensated[start:stop], out=magnitudes[:size])
+        np.greater_equal(magnitudes[:size], limit, out=mask[:size])
+        found = np.flatnonzero(mask[:size])
+        pieces.append(found + start if start else found)
+    positions = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    return torch.from_numpy(positions.astype(np.int64, copy=False))
 
 
 def _magnitudes_nan_last(flat: torch.Tensor) -> torch.Tensor:
@@ -79,3 +195,10 @@ class TopK(BudgetSparsifier):
 
     def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
         return largest_magnitudes(flat, k)
+
+    def select_compensated(self, grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, *,
+                           step: int = 0, tensor_id: int = 0) -> torch.Tensor:
+        k = self.target_k(out.numel())
+        if out.numel() == 0 or k >= out.numel():
+            return super().select_compensated(grad, residual, out, step=step, tensor_id=tensor_id)
+        return compensated_largest_magnitudes(grad, residual, out, k)

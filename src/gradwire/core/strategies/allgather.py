@@ -11,6 +11,7 @@ import torch
 from ..payload import EncodedBucket, Part, decode_bucket, encode_bucket
 from ...errors import DecodeError, collective_failed
 from ...exchange import FRAME_HEADER_BYTES, ByteGather, CostModel, gather_frames, gather_overflow
+from ..digest import digest_of
 from ..frames import FRAME_HEADROOM, FrameSizes
 from ..group import Group, all_finite
 from .base import Exchange, ExchangeContext, ExchangeStrategy
@@ -171,7 +172,12 @@ class PayloadAllGather(ExchangeStrategy):
     # ------------------------------------------------------------------------------ decoding
     def _combine(self, group: Group, payloads: Sequence[memoryview], encoded: Optional[EncodedBucket]) -> None:
         """Decode every rank's payload and reduce into the group's target (summing in rank order,
-        so every rank gets the same bits); a non-finite decoded sum marks the group."""
+        so every rank gets the same bits); a non-finite sum marks the group.
+
+        The round's digest covers each source's ``(positions, values)`` as this rank summed them
+        (its own reconstruction for itself, the decoded payload for each peer): every rank sums
+        the same entries unless a payload changed in flight or an encoder sent other values than
+        it reconstructed. Finiteness is checked where values landed, not over the whole buffer."""
         context = self.context
         assert encoded is not None
         divisor = group.divisor
@@ -179,18 +185,23 @@ class PayloadAllGather(ExchangeStrategy):
             dtype = group.dtype
             device = group.device
             out = group.output_buffer(dtype)
+            summed: list[torch.Tensor] = []
             for source, data in enumerate(payloads):
                 if source == context.rank:  # our own reconstruction is bit-identical to decoding it
                     positions, values = encoded.positions, encoded.values
                 else:
                     positions, values = self._decode_from(source, data, group)
-                values = values.to(dtype)  # a copy unless the codec returned the sent tensor itself
+                positions = positions.to(device)
+                values = values.to(device=device, dtype=dtype)  # a copy unless the codec returned the sent tensor
+                summed.extend((positions, values))
                 if divisor != 1:  # divide the few sent values, not the whole buffer afterwards
                     values = values / divisor
-                out.index_add_(0, positions.to(device), values.to(device))
-            if not all_finite(out):  # a peer's payload held NaN/Inf values: treat as its gradient
+                out.index_add_(0, positions, values)
+            landed = torch.cat(summed[0::2]) if summed else torch.zeros(0, dtype=torch.int64, device=device)
+            if not all_finite(out.index_select(0, landed)):  # a peer's payload held NaN/Inf (or the sum overflowed)
                 group.mark_nonfinite()
                 return
+            group.digest = digest_of(summed)
             for entry, sent in zip(group.entries, encoded.sent):
                 group.keep(entry, sent.indices.to(device), sent.values.to(device))
             group.write(out)

@@ -6,7 +6,8 @@ import torch
 
 from ...exchange import allreduce_sum, ring_allreduce_bytes
 from ..config import CAST_VALUE_CODECS
-from ..group import Group
+from ..digest import digest_of
+from ..group import Group, all_finite
 from .base import Exchange, ExchangeStrategy
 
 _WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -41,6 +42,10 @@ class SharedSupportAllReduce(ExchangeStrategy):
                 return
             with context.stats.timer("decode"):
                 dtype = group.dtype
+                if not all_finite(summed[:-1]):  # the sum of finite values overflowed
+                    group.mark_nonfinite()
+                    return
+                group.digest = digest_of([summed])
                 averaged = summed[:-1].to(dtype) / group.divisor
                 out = group.output_buffer(dtype)
                 position = 0

@@ -11,6 +11,7 @@ from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
+from ..digest import digest_of
 from ..group import Group, all_finite
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 
@@ -116,9 +117,11 @@ def averaged_output(group: Group, indices: torch.Tensor, values: torch.Tensor, *
     """The group's flat output holding ``values / group.divisor`` at ``indices`` (a sparse sum over
     ranks), or None after marking the group non-finite (a rank announced NaN/Inf, or the sum has it)."""
     if finite:
-        out = group.output_buffer(group.dtype)
-        out[indices.to(out.device)] = (values / group.divisor).to(out.dtype)
-        if all_finite(out):
+        landed = (values / group.divisor).to(group.dtype)
+        if all_finite(landed):  # the rest of the output is zeros
+            out = group.output_buffer(group.dtype)
+            out[indices.to(out.device)] = landed.to(out.device)
+            group.digest = digest_of([indices, values])  # identical on every rank by construction
             return out
     group.mark_nonfinite()
     return None
