@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from .launch import ROOT, results, torchrun
 
@@ -51,3 +52,13 @@ def test_accelerate_two_models_on_one_accelerator_each_get_their_own_residuals(t
     # the first model keeps the one-model name, so one-model folders read as before
     assert sorted(first["files"]) == sorted(f"gradwire_hook_{part}rank{r}.pt" for part in ("", "model1_", "model2_")
                                             for r in (0, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs accelerate builds DDP without ACCELERATE_USE_CPU")
+def test_accelerate_example_without_use_cpu_warns_and_exits_0(tmp_path: Path) -> None:
+    """Under torchrun on CPU without ACCELERATE_USE_CPU=1, accelerate builds no DDP: every process
+    trains alone, and the example says so (one line each) instead of failing on a missing state."""
+    run = torchrun(ROOT / "examples" / "accelerate_loop.py", tmp_path, timeout=240, unset=("ACCELERATE_USE_CPU",))
+    assert "HookNeverRanWarning" in run.stdout and "Traceback" not in run.stdout
+    lines = [line for line in run.stdout.splitlines() if line.startswith("gradwire: no DistributedDataParallel")]
+    assert len(lines) == 2 and all("trained 6 steps uncompressed" in line for line in lines), run.stdout
