@@ -39,7 +39,8 @@ def test_example_leaves_with_os_exit_after_destroy_and_flush(path: Path) -> None
 
 def test_the_check_fails_a_script_that_exits_normally(tmp_path: Path) -> None:
     script = tmp_path / "plain.py"
-    script.write_text('import torch.distributed as dist\nif __name__ == "__main__":\n    dist.destroy_process_group()\n')
+    script.write_text("import torch.distributed as dist\n"
+                      'if __name__ == "__main__":\n    dist.destroy_process_group()\n')
     with pytest.raises(AssertionError, match="must end with os._exit"):
         test_example_leaves_with_os_exit_after_destroy_and_flush(script)
 
