@@ -1,7 +1,11 @@
 """An accelerate training loop on 2 CPU processes with gradwire's hook:
 ``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 examples/accelerate_loop.py``."""
 
+import os
+import sys
+
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,7 +31,10 @@ def main(folder: str = "accelerate-run", steps: int = 6, resume: "str | None" = 
             optimizer.zero_grad()
     accelerator.save_state(folder)  # writes gradwire_hook_rank{r}.pt on every rank
     # [/readme]
-    if accelerator.is_main_process:
+    if state is None:  # accelerate built no DDP wrapper (the warning above says why): each process trained alone
+        print(f"gradwire: no DistributedDataParallel, so this process trained {steps} steps uncompressed "
+              "(on CPU: ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 examples/accelerate_loop.py)", flush=True)
+    elif accelerator.is_main_process:
         stats = state.stats()
         print(f"gradwire: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
               f"instead of {stats['total_bytes_dense']:.0f}")
@@ -36,3 +43,10 @@ def main(folder: str = "accelerate-run", steps: int = 6, resume: "str | None" = 
 
 if __name__ == "__main__":
     main()
+    # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291):
+    # tear the process group down, flush, and leave without the interpreter's teardown
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,7 +1,11 @@
 """HF Trainer on 2 CPU processes with gradwire's hook (a tiny GPT-2 from a config, random tokens):
 ``torchrun --nproc_per_node 2 examples/hf_trainer.py``."""
 
+import os
+import sys
+
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
@@ -27,7 +31,10 @@ def main(output_dir: str = "hf-run", max_steps: int = 6, resume: "str | bool | N
                                         index_codec="rice")
     trainer.train(resume_from_checkpoint=resume)  # checkpoint-N/ holds each rank's gradwire_hook_rank{r}.pt
     # [/readme]
-    if trainer.is_world_process_zero():
+    if callback.hook_state is None:  # the Trainer built no DDP wrapper (the warning above says why)
+        print(f"gradwire: no DistributedDataParallel (one process), so {trainer.state.global_step} steps trained "
+              "uncompressed (for 2 processes: torchrun --nproc_per_node 2 examples/hf_trainer.py)", flush=True)
+    elif trainer.is_world_process_zero():
         stats = callback.hook_state.stats()
         print(f"gradwire: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
               f"instead of {stats['total_bytes_dense']:.0f}")
@@ -36,3 +43,10 @@ def main(output_dir: str = "hf-run", max_steps: int = 6, resume: "str | bool | N
 
 if __name__ == "__main__":
     main()
+    # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291):
+    # tear the process group down, flush, and leave without the interpreter's teardown
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

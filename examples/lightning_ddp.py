@@ -1,8 +1,12 @@
 """Lightning on 2 CPU processes with gradwire's hook: ``torchrun --nproc_per_node 2 examples/lightning_ddp.py``
 (or ``python examples/lightning_ddp.py``: Lightning then starts the second process itself)."""
 
+import os
+import sys
+
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -41,3 +45,10 @@ def main(root: str = "lightning-run", max_steps: int = 6, ckpt_path: "str | None
 
 if __name__ == "__main__":
     main()
+    # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291):
+    # tear the process group down, flush, and leave without the interpreter's teardown
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,6 +1,9 @@
 """gradwire in a plain DDP script and in a custom loop without DDP, on 2 CPU processes:
 ``torchrun --nproc_per_node 2 examples/plain_loops.py``."""
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -53,6 +56,13 @@ if __name__ == "__main__":
     for run in (plain_ddp, custom_loop):
         model, state = run()
         stats = state.stats()
-        print(f"gradwire {run.__name__}: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
-              f"instead of {stats['total_bytes_dense']:.0f}")
-    dist.destroy_process_group()
+        if dist.get_rank() == 0:  # one line per loop: the ranks' prints would interleave
+            print(f"gradwire {run.__name__}: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
+                  f"instead of {stats['total_bytes_dense']:.0f} (rank 0)", flush=True)
+    # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291):
+    # tear the process group down, flush, and leave without the interpreter's teardown
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -103,3 +103,61 @@ def test_the_callback_rule_would_catch_an_offender(tmp_path: Path, name: str) ->
     source = tmp_path / "offender.py"
     source.write_text(f"def f(work):\n    return work.get_future().{name}(print)\n")
     assert [call.func.attr for call in _calls(source)].count(name) == 1
+
+
+def _timeout_worker(rank: int, world_size: int) -> dict:
+    """Rank 0 waits on collectives that rank 1 joins late or never: under its own limit, with no
+    limit, and under a limit longer than the group's own 2 s timeout."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from gradwire.exchange.checked import time_limit, wait_checked
+    from gradwire.lifetime import wait_for
+
+    # every rank builds the groups (a collective); only rank 0 ever calls a collective in them
+    short = [dist.new_group(timeout=datetime.timedelta(seconds=2)) for _ in range(3)]
+    if rank == 1:
+        time.sleep(2.0)
+        dist.all_reduce(torch.ones(1), async_op=True).wait()  # the late join of rank 0's first wait
+        time.sleep(9.0)  # alive while rank 0's short groups time out
+        return {}
+
+    def message(run) -> str:
+        try:
+            run()
+        except RuntimeError as error:
+            return str(error)
+        return ""
+
+    late = dist.all_reduce(torch.ones(1), async_op=True)
+    messages = {"own limit": message(lambda: wait_for(late, 0.5, "AllReduce"))}
+    late.wait()
+    messages["no limit"] = message(lambda: wait_for(
+        dist.all_reduce(torch.ones(1), group=short[0], async_op=True), None, "AllReduce"))
+    messages["group first"] = message(lambda: wait_for(
+        dist.all_reduce(torch.ones(1), group=short[1], async_op=True), 30.0, "AllReduce"))
+    with time_limit(30.0):
+        messages["checked"] = message(lambda: wait_checked(
+            dist.all_reduce(torch.ones(1), group=short[2], async_op=True), "step 3", "AllReduce"))
+    return messages
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_timeout_messages_state_the_limit_that_applied() -> None:
+    """Not "within None s" without a limit, nor "within 30 s" when the group's own 2 s fired."""
+    import re
+
+    from tests.distributed import run_workers
+
+    messages = run_workers(_timeout_worker, 2, timeout=50, pg_timeout=30)[0]
+    assert messages["own limit"].startswith("AllReduce did not complete within the 0.5 s limit set for it: ")
+    for case, limit in (("no limit", "no time limit was set here"), ("group first", "before its 30 s limit")):
+        found = re.match(r"AllReduce failed after ([0-9.]+) s \((.*?):", messages[case])
+        assert found and found.group(2) == limit, messages[case]
+        assert 1.5 <= float(found.group(1)) < 30  # the group's 2 s timeout, not a limit set here
+        assert "within" not in messages[case] and "None" not in messages[case]
+    assert messages["checked"].startswith("step 3: AllReduce failed after ")
+    assert "before its 30 s limit" in messages["checked"] and "time limit 30" not in messages["checked"]

@@ -30,6 +30,7 @@ import atexit
 import collections
 import ctypes
 import datetime
+import time
 import weakref
 from typing import Any, Deque, Optional
 
@@ -63,18 +64,45 @@ def _never_free_at_exit() -> None:
 
 
 def wait_for(work: Any, timeout: Optional[float], collective: str, *, keep: bool = True) -> Any:
-    """Block until ``work`` (a ``dist`` Work) completes; raise ``RuntimeError`` naming
-    ``collective`` if it fails or takes longer than ``timeout`` seconds (None: the group's own).
-    Returns what ``work.wait()`` returned (some backends report failure as False).
-    ``keep=False``: the caller holds ``work`` itself (no place in the recent queue)."""
+    """Block until ``work`` (a ``dist`` Work) completes.
+
+    Args:
+        work: what a ``dist`` collective started with ``async_op=True`` returned.
+        timeout: seconds to wait at most (None: no limit here, only the process group's own).
+        collective: its name, for the error message.
+        keep: False when the caller holds ``work`` itself (no place in the recent queue).
+
+    Returns:
+        What ``work.wait()`` returned (some backends report failure as False).
+
+    Raises:
+        RuntimeError: the collective failed or outlasted ``timeout``; the message says which
+            limit ended it (see :func:`describe_failure`).
+    """
     if keep:
         keep_alive(work)
+    started = time.monotonic()
     try:
         if timeout is None:
             return work.wait()
         return work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as error:
-        raise RuntimeError(f"{collective} did not complete within {timeout} s or failed: {error}") from error
+        raise RuntimeError(f"{collective} {describe_failure(timeout, time.monotonic() - started)}: {error}") from error
+
+
+def describe_failure(timeout: Optional[float], elapsed: float) -> str:
+    """What ended a wait of ``elapsed`` seconds under ``timeout``, as far as the clock can tell.
+
+    The limit set here is only one of the limits: the process group's own timeout (gloo's default
+    30 minutes, often set lower) fires on its own, and a dead peer fails a collective at once. A
+    message that named ``timeout`` whatever happened read "within None s", or "within 120.0 s"
+    when gloo's 60 s had fired; the backend's own error, appended by the caller, says the rest.
+    """
+    if timeout is not None and elapsed >= timeout:
+        return f"did not complete within the {timeout:g} s limit set for it"
+    limit = "no time limit was set here" if timeout is None else f"before its {timeout:g} s limit"
+    return (f"failed after {elapsed:.1f} s ({limit}: the process group's own timeout or a failed peer "
+            "ended it)")
 
 
 def barrier(group: Any = None, timeout: Optional[float] = None) -> None:

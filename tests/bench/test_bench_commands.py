@@ -24,9 +24,46 @@ def test_bench_codecs_small(tmp_path, capsys) -> None:
     assert "rice" in capsys.readouterr().out
 
 
-def test_bench_codecs_rejects_unknown_names() -> None:
-    with pytest.raises(ValueError, match="--index-codecs: unknown nope"):
-        main(["bench", "codecs", "--index-codecs", "nope", "--sources", "synthetic"])
+@pytest.mark.timeout(180)
+def test_bench_codecs_runs_with_its_default_sources(tmp_path, capsys) -> None:
+    """Every default source and table, as a user's first run would (only --repeats is lowered, to
+    keep it short): the LSTM pairs table decodes the library's own Bloom payloads of its largest
+    parameters, which the payload-size budget refuses without a max_numel."""
+    from gradwire.bench.codec_workloads import LSTM_PAIRS
+    from gradwire.bench.codecs import SOURCES
+
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--repeats", "1", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert {row["source"] for row in saved["rows"]} == set(SOURCES) - {"embedding", "curvefit", "lossless"}
+    pairs = {row["pair"]: row for row in saved["lstm_pairs"]}
+    assert set(pairs) == {label for label, *_ in LSTM_PAIRS}
+    # Bloom's payload is smaller than COO's and its false positives cost accuracy, not nothing
+    assert 0.1 < pairs["bloom + fp32"]["relative_volume"] < pairs["raw + fp32"]["relative_volume"]
+    assert pairs["bloom + fp32"]["relative_l2_error"] > 0.0 and pairs["rice + fp32"]["relative_l2_error"] == 0.0
+    assert saved["embedding"] and saved["curvefit"] and saved["lossless"]
+    printed = capsys.readouterr().out
+    assert "lstm LM" in printed and f"wrote {out}" in printed
+
+
+@pytest.mark.parametrize("arguments, option, allowed", [
+    (["--numel", "0"], "--numel=0", "allowed: an integer >= 1"),
+    (["--densities", "0"], "--densities='0'", "allowed: comma-separated numbers in (0, 1]"),
+    (["--densities", "0.1,abc"], "--densities='0.1,abc'", "in (0, 1]"),
+    (["--index-codecs", "nope"], "--index-codecs='nope': unknown nope", "rice"),
+    (["--value-codecs", "fp16,nope"], "--value-codecs='fp16,nope': unknown nope", "qsgd-ans"),
+    (["--sources", "lstm,nope"], "--sources='lstm,nope': unknown nope", "synthetic, mnist, lstm"),
+    (["--repeats", "0"], "--repeats=0", "allowed: an integer >= 1"),
+    (["--lstm-density", "1.5"], "--lstm-density=1.5", "(0, 1]"),
+])
+def test_bench_codecs_input_errors_are_one_line_and_exit_2(tmp_path, capsys, arguments, option, allowed) -> None:
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", *arguments, "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gradwire bench codecs: {option}"), captured.err
+    assert allowed in lines[0] and "Traceback" not in captured.err
+    assert captured.out == "" and not out.exists()  # refused before any work
 
 
 @pytest.mark.distributed

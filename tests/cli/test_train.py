@@ -95,9 +95,14 @@ def test_steps_counts_total_steps_lines_per_epoch_and_json_after_each_method(tmp
     # checked writable first, then as results arrive (the launcher polls, so two methods may land
     # in one poll on a loaded machine), then once more at the end
     assert written[0] == 0 and written[-2:] == [2, 2] and written == sorted(written), written
-    stderr = capfd.readouterr().err  # rank 0 writes to the inherited fd 2
+    captured = capfd.readouterr()
+    stderr = captured.err  # rank 0 writes to the inherited fd 2
     epoch_lines = [line for line in stderr.splitlines() if line.startswith("allreduce: epoch")]
     assert [line.split(",")[1].strip() for line in epoch_lines] == ["step 2/5", "step 4/5", "step 5/5"]
+    # the table's final loss is the mean the last epoch line printed, not the last step's loss alone
+    last_mean = float(epoch_lines[-1].split("mean loss ")[1].split(",")[0])
+    assert summaries[0]["final_loss"] == pytest.approx(last_mean, abs=1e-4)
+    assert summaries[0]["link"] == {"kind": "loopback"} and "link: loopback, unshaped" in captured.out
     assert stderr.splitlines()[0].startswith("gradwire train: 2 local workers")  # says something at once
 
 
@@ -154,6 +159,115 @@ def test_tables_mark_the_better_direction_and_explain_missing_cells(capsys) -> N
     assert "nan" not in out and MISSING in out
     assert "test acc ↑" in out and "s/step ↓" in out and "MB sent/step ↓" in out
     assert "PowerSGD hook keeps no byte counter" in out and "no allreduce run to compare with" in out
+
+
+def _summary(**changes) -> dict:
+    phases = {f"seconds_{p}": 0.01 for p in ("forward", "backward", "compress", "communicate", "decompress",
+                                              "optimizer")}
+    summary = {"method": "allreduce", "model": "cnn", "world_size": 2, "steps": 3, "status": "ok",
+               "test_accuracy": 0.5, "final_loss": 1.0, "seconds_per_step": 0.1, "bytes_per_step": 1e6,
+               "parameters": 10, "phases": phases}
+    return {**summary, **changes}
+
+
+def test_final_loss_is_the_last_epochs_mean() -> None:
+    from gradwire.harness.training import last_epoch_loss
+
+    records = [{"epoch": 0, "loss": 9.0}, {"epoch": 1, "loss": 2.0}, {"epoch": 1, "loss": 1.0}]
+    assert last_epoch_loss(records) == 1.5 and math.isnan(last_epoch_loss([]))
+
+
+@pytest.mark.parametrize("link, shown", [({"kind": "loopback"}, True), (None, False),
+                                         ({"bandwidth": "1gbit", "nodes": 1, "workers_per_node": 1}, False)],
+                         ids=["local", "torchrun", "cluster"])
+def test_a_local_runs_table_says_its_link_is_unshaped_loopback(link, shown: bool, capsys) -> None:
+    from gradwire.cli.train import print_summary
+
+    print_summary([_summary(link=link), _summary(method="topk:density=0.01", seconds_per_step=0.2, link=link)])
+    lines = capsys.readouterr().out.splitlines()
+    note = [line for line in lines if line.startswith("link: loopback")]
+    assert len(note) == (1 if shown else 0)
+    if shown:  # right under the first table, and it says why compression can trail allreduce
+        assert lines.index(note[0]) == next(i for i, line in enumerate(lines) if line.startswith("topk")) + 1
+        assert "unshaped" in note[0] and "allreduce" in note[0] and "--cluster" in note[0]
+    assert "last epoch loss ↓" in "\n".join(lines)
+
+
+SAVED = [
+    ({"method": "allreduce"}, "holds a dict, expected a list of method summaries"),
+    ([], "holds no method summaries"),
+    ([{"steps": 3}], "summary 0 lacks 'method', 'model'"),
+    ([_summary(), 7], "summary 1 is 7, not an object"),
+    ([_summary(seconds_per_step="fast")], "a summary holds a value of the wrong kind"),
+    ([_summary(phases=[1, 2])], "a summary holds a value of the wrong kind"),
+]
+
+
+@pytest.mark.parametrize("saved, message", SAVED, ids=["dict", "empty", "no-method", "not-a-dict", "str", "phases"])
+def test_show_of_a_file_of_the_wrong_shape_is_one_line_and_exit_2(saved, message: str, tmp_path, capsys) -> None:
+    from gradwire.cli.main import main
+
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    assert main(["train", "--show", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"gradwire train: --show={str(path)!r} ") and message in captured.err, captured.err
+
+
+def test_show_prints_a_saved_file(tmp_path, capsys) -> None:
+    from gradwire.cli.main import main
+
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps([_summary(), _summary(method="topk:density=0.01", link={"kind": "loopback"})]))
+    assert main(["train", "--show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "topk:density=0.01" in out and "median seconds per step by phase" in out
+
+
+def _help(capsys) -> str:
+    from gradwire.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_help_lists_every_spec_key_the_defaults_and_examples(capsys) -> None:
+    from gradwire.cli.train import EXAMPLES
+    from gradwire.harness.methods import HOOK_KEYS, PUFFERFISH_KEYS, TORCH_HOOKS, TORCH_KEYS
+    from gradwire.sparsify import sparsifiers
+
+    text = " ".join(_help(capsys).split())  # argparse wraps the help: compare without line breaks
+    for key in [*HOOK_KEYS, *PUFFERFISH_KEYS, *TORCH_KEYS["torch-powersgd"]]:
+        assert f"{key}=" in text, key
+    for name in [*TORCH_HOOKS, "pufferfish", *sparsifiers()]:
+        assert name in text, name
+    assert "values=ans|bf16|" in text and "collective=auto|allreduce|" in text  # the choices, from the registries
+    for option, default in (("--epochs", "3"), ("--lr", "0.05"), ("--batch-size", "32")):
+        assert f"(default {default})" in text.split(option, 2)[2].split("--", 1)[0], option
+    assert "examples:" in text and all(command in text for command, _ in EXAMPLES)
+
+
+def test_train_help_examples_are_valid_commands() -> None:
+    import shlex
+
+    from gradwire.cli.main import build_parser
+    from gradwire.cli.train import EXAMPLES, check_method
+
+    for command, _ in EXAMPLES:
+        args = build_parser().parse_args(shlex.split(command)[1:])
+        for spec in args.methods or []:
+            check_method(spec)  # raises on a key or value the parser would refuse
+
+
+def test_train_help_follows_the_spec_tables(monkeypatch, capsys) -> None:
+    """The key list is read from the code: a new key shows up in the help without editing it."""
+    from gradwire.harness import methods
+
+    monkeypatch.setitem(methods.HOOK_KEYS, "probe_key", ("probe_key", int))
+    assert "probe_key=int" in _help(capsys)
 
 
 def _running(pid: int) -> bool:

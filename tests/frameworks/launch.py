@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..distributed import free_port
 
@@ -17,15 +17,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(script: Path, out: Path, *args: str, nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
-             env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run`` on ``script``; raises AssertionError with the output on failure."""
-    out.mkdir(parents=True, exist_ok=True)
+             env: Optional[dict[str, str]] = None, unset: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run`` on ``script``; raises AssertionError with the output on failure.
+    ``unset``: variables of this environment the script must not see (e.g. ACCELERATE_USE_CPU)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                "--monitor-interval=0.5", str(script), *args]
+    return run_script(command, out, f"torchrun {script.name}", timeout=timeout, env=env, unset=unset)
+
+
+def python(script: Path, out: Path, *args: str, timeout: float = 240,
+           env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """``python script`` as one plain process (no torchrun); as :func:`torchrun` otherwise."""
+    return run_script([sys.executable, str(script), *args], out, script.name, timeout=timeout, env=env)
+
+
+def run_script(command: list[str], out: Path, name: str, *, timeout: float, env: Optional[dict[str, str]] = None,
+               unset: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``out`` in its own session, killed with all its children after ``timeout``;
+    raises AssertionError with the output (stdout and stderr together) on failure."""
+    out.mkdir(parents=True, exist_ok=True)
     environment = dict(os.environ, GRADWIRE_TEST_OUT=str(out), OMP_NUM_THREADS="1",
                        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                        **(env or {}))
+    for variable in unset:
+        environment.pop(variable, None)
     process = subprocess.Popen(command, cwd=out, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:
@@ -33,9 +49,9 @@ def torchrun(script: Path, out: Path, *args: str, nproc: int = 2, max_restarts: 
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        raise AssertionError(f"torchrun {script.name} timed out after {timeout} s:\n{output[-6000:]}")
+        raise AssertionError(f"{name} timed out after {timeout} s:\n{output[-6000:]}")
     if process.returncode != 0:
-        raise AssertionError(f"torchrun {script.name} exited with {process.returncode}:\n{output[-6000:]}")
+        raise AssertionError(f"{name} exited with {process.returncode}:\n{output[-6000:]}")
     return subprocess.CompletedProcess(command, 0, output, "")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .launch import ROOT, results, torchrun
+from .launch import ROOT, python, results, torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -25,3 +25,11 @@ def test_hf_trainer_callback_compresses_with_accumulation_and_restores_each_rank
         assert rank["resumed_steps"] == 2
     assert first["norm"] != second["norm"]
     assert first["digest"] == second["digest"]
+
+
+def test_hf_example_without_torchrun_warns_and_exits_0(tmp_path: Path) -> None:
+    """``python examples/hf_trainer.py``: one process, so no DDP; the example says so and trains
+    uncompressed instead of failing on the hook state it does not have."""
+    run = python(ROOT / "examples" / "hf_trainer.py", tmp_path, timeout=240)
+    assert "HookNeverRanWarning" in run.stdout and "Traceback" not in run.stdout
+    assert "gradwire: no DistributedDataParallel (one process), so 6 steps trained uncompressed" in run.stdout

@@ -109,7 +109,9 @@ def lstm_rows(gradient: list[tuple[str, torch.Tensor]], density: float = 0.1) ->
             encoded = codecs.encode_tensors([(values, indices, flat.numel())], index_codec, value_codec,
                                             dense=[flat], check=False)
             total += len(encoded.payload)
-            decoded_values, decoded_indices, _ = codecs.decode(encoded.payload)
+            # the receiver knows each parameter's size: without max_numel the payload-size budget
+            # (meant for bytes from strangers) refuses Bloom's large tensors (it scans every position)
+            decoded_values, decoded_indices, _ = codecs.decode(encoded.payload, max_numel=flat.numel())
             sent = torch.zeros_like(flat).index_put_((indices,), values)
             received = torch.zeros(flat.numel(), dtype=torch.float64).index_put_(
                 (decoded_indices,), decoded_values.double())
@@ -153,7 +155,7 @@ def embedding_rows(gradient: list[tuple[str, torch.Tensor]],
                                                     check=False).payload) for f, i in zip(flats, selections))
         payload = codecs.encode_tensors([(joined_values, joined_indices, joined_flat.numel())], index_codec,
                                         value_codec, check=False).payload
-        values, indices, numel = codecs.decode(payload)
+        values, indices, numel = codecs.decode(payload, max_numel=joined_flat.numel())  # a size we know
         rebuilt = torch.zeros(numel).index_put_((indices,), values)
         exact = bool(torch.equal(rebuilt.view(torch.int32), joined_flat.view(torch.int32)))
         rows.append({"index_codec": name, "layerwise_bytes": layer_bytes, "joined_bytes": len(payload),

@@ -178,26 +178,56 @@ def _names(option: str, available: list[str], what: str) -> list[str]:
         return available
     names = [n.strip() for n in option.split(",") if n.strip()]
     unknown = [n for n in names if n not in available]
-    if unknown:
-        raise ValueError(f"--{what}: unknown {', '.join(unknown)}; allowed: {', '.join(available)}")
+    if unknown or not names:
+        raise ValueError(f"--{what}={option!r}: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"allowed: 'all' or a comma-separated list of {', '.join(available)}")
     return names
 
 
+def _densities(option: str) -> list[float]:
+    try:
+        densities = [float(d) for d in option.split(",")]
+    except ValueError:
+        densities = []
+    if not densities or any(not 0 < d <= 1 for d in densities):  # NaN fails the range test too
+        raise ValueError(f"--densities={option!r} is not supported; allowed: comma-separated numbers in (0, 1]")
+    return densities
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[list[float], list[str], list[str], list[str]]:
+    """(densities, sources, index codec names, value codec names) of ``args``.
+
+    Raises:
+        ValueError: an option out of range or naming something unknown; the message names the
+            option and what it allows, and is printed as one line (exit status 2).
+    """
+    if args.numel < 1:
+        raise ValueError(f"--numel={args.numel} is not supported; allowed: an integer >= 1")
+    for option, value, low in (("--repeats", args.repeats, 1), ("--threads", args.threads, 0)):
+        if value < low:
+            raise ValueError(f"{option}={value} is not supported; allowed: an integer >= {low}")
+    densities = _densities(args.densities)
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+    bad = [s for s in sources if s not in SOURCES]
+    if bad or not sources:
+        raise ValueError(f"--sources={args.sources!r}: unknown {', '.join(bad) or '(none given)'}; "
+                         f"allowed: a comma-separated list of {', '.join(SOURCES)}")
+    if not 0 < args.lstm_density <= 1:
+        raise ValueError(f"--lstm-density={args.lstm_density} is not supported; allowed: a number in (0, 1]")
+    index_names = _names(args.index_codecs, sorted(index_codec_classes()), "index-codecs")
+    value_names = _names(args.value_codecs, sorted(value_codec_classes()) + list(VALUE_VARIANTS), "value-codecs")
+    return densities, sources, index_names, value_names
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        densities, sources, index_names, value_names = check_arguments(args)
+    except ValueError as error:  # a bad option is the user's to fix: one line, not a traceback
+        print(f"gradwire bench codecs: {error}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     _CLOCK["clock"] = time.process_time if args.clock == "cpu" else time.perf_counter
-    densities = [float(d) for d in args.densities.split(",")]
-    if any(not 0 < d <= 1 for d in densities):
-        raise ValueError(f"--densities={args.densities!r}: each must be in (0, 1]")
-    sources = [s.strip() for s in args.sources.split(",")]
-    bad = [s for s in sources if s not in SOURCES]
-    if bad:
-        raise ValueError(f"--sources: unknown {', '.join(bad)}; allowed: {', '.join(SOURCES)}")
-    if not 0 < args.lstm_density <= 1:
-        raise ValueError(f"--lstm-density={args.lstm_density}: must be in (0, 1]")
-    index_names = _names(args.index_codecs, sorted(index_codec_classes()), "index-codecs")
-    value_names = _names(args.value_codecs, sorted(value_codec_classes()) + list(VALUE_VARIANTS), "value-codecs")
     gradients = {}
     if "mnist" in sources:
         gradients["mnist"] = mnist_gradient()

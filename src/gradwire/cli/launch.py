@@ -24,7 +24,10 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from ..cluster.netns import MAX_WORKERS  # one documented bound for local and emulated launches
 
-__all__ = ["MAX_WORKERS", "launch"]
+__all__ = ["LOOPBACK", "MAX_WORKERS", "launch"]
+
+#: the ``"link"`` kind of a local run's summaries: workers on one host talk over unshaped loopback
+LOOPBACK = "loopback"
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,7 +49,8 @@ def launch(config: Any, workers: int, *, timeout: float = 3600, cluster: Cluster
     emulated cluster with a prefix of its own, removed on every exit path); a
     :class:`~gradwire.cluster.ClusterSpec` (a temporary cluster built as given: its prefix must
     be free; see :func:`~gradwire.cluster.temporary_prefix`); or a running :class:`~gradwire.cluster.Cluster` (used as
-    it is, left up). With a cluster every summary gets ``"link"``: per-rank bytes sent and
+    it is, left up). A local run's summaries get ``"link": {"kind": "loopback"}``; with a cluster every
+    summary gets ``"link"``: per-rank bytes sent and
     received on each worker's interface during this launch (every method, setup included) and,
     with nodes, the bytes that crossed each node's shaped uplink. ``on_summaries`` is called with
     the summaries so far whenever rank 0 finishes a method. Workers are killed on error,
@@ -63,7 +67,7 @@ def launch(config: Any, workers: int, *, timeout: float = 3600, cluster: Cluster
             env = {"GRADWIRE_INIT_METHOD": f"file://{os.path.join(folder, 'rendezvous')}", "MASTER_ADDR": "127.0.0.1",
                    "GLOO_SOCKET_IFNAME": "lo"}
             _run_processes([argv] * workers, [env] * workers, timeout, watcher.poll)
-            link = None
+            link = {"kind": LOOPBACK}  # the tables say so: an unshaped link makes compression look slow
         else:
             link = _launch_in_cluster(argv, workers, cluster, timeout, watcher.poll, folder)
         watcher.poll()

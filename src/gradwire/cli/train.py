@@ -12,6 +12,8 @@ problem is one line on stderr with exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -21,7 +23,7 @@ import warnings
 from typing import Any, Optional
 
 from ..tables import format_table
-from .launch import MAX_WORKERS, launch
+from .launch import LOOPBACK, MAX_WORKERS, launch
 
 DEFAULT_METHODS = ["allreduce", "topk:density=0.01,values=fp16,indices=rice"]
 DEFAULT_WORKERS = 2
@@ -34,7 +36,29 @@ class UsageError(ValueError):
     """A bad option: printed as one line, exit status 2."""
 
 
+#: (command, what it does) shown under ``gradwire train --help``; tests parse every --method here
+EXAMPLES = [
+    ("gradwire train", "allreduce vs top-k 1% (fp16 values, Rice indices): cnn on MNIST-5k, 2 local workers"),
+    ("gradwire train --method allreduce --method topk:density=0.01,indices=eliasfano --epochs 1 --json run.json",
+     "one epoch each, the summaries also written to run.json"),
+    ("gradwire train --model resnet18 --data synthetic --method pufferfish:warmup_epochs=1+topk:density=0.01",
+     "a low-rank ResNet-18 after a full-rank warm-up epoch, sending top-k 1%"),
+    ("gradwire train --show run.json", "the tables of a saved run again"),
+]
+
+
+def help_epilog() -> str:
+    """The method-spec keys (read from :mod:`gradwire.harness.methods`) and examples."""
+    from ..harness.methods import spec_help
+
+    examples = "\n".join(f"  {command}\n      {what}" for command, what in EXAMPLES)
+    return f"{spec_help()}\n\nexamples:\n{examples}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # the epilog is laid out by hand (one paragraph per kind of method): keep its line breaks
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = help_epilog()
     parser.add_argument("--method", action="append", dest="methods", metavar="SPEC",
                         help="repeatable; e.g. allreduce, torch-fp16, torch-powersgd:rank=4, "
                              "topk:density=0.01,values=fp16,indices=eliasfano, randomblock:density=0.01, "
@@ -45,16 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help=f"worker processes, 1 to {MAX_WORKERS} (default {DEFAULT_WORKERS}, or the size of the "
                              f"cluster that is up with --cluster; ignored under torchrun)")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per method (default %(default)s)")
     parser.add_argument("--steps", type=int, default=None, dest="max_steps",
                         help="total training steps per method, across epochs (default: every step of every epoch)")
     parser.add_argument("--steps-per-epoch", type=int, default=None, dest="steps_per_epoch",
                         help="cap on the steps of each epoch")
-    parser.add_argument("--warmup-steps", type=int, default=0, help="steps left out of the per-step medians")
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="steps left out of the per-step medians (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default %(default)s)")
     parser.add_argument("--compute-only", action="store_true", help="forward+backward under no_sync(): no communication")
     parser.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation")
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -77,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --cluster: link rate, e.g. 100mbit, 1gbit (default {DEFAULT_BANDWIDTH}, or the rate "
                              f"of the cluster that is up)")
     parser.add_argument("--latency", default=None, help=f"with --cluster: one-way link latency (default {DEFAULT_LATENCY})")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the workers are stopped (> 0)")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds before the workers are stopped (> 0; default %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the summaries as JSON (rewritten after every method)")
     parser.add_argument("--show", default=None, metavar="PATH", help="print the tables of a saved --json file and exit")
@@ -245,12 +271,7 @@ def _note(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.show:
-            try:
-                with open(args.show) as handle:
-                    summaries = json.load(handle)
-            except (OSError, ValueError) as error:
-                raise UsageError(f"--show={args.show!r} cannot be read as a saved --json file ({error})") from None
-            print_summary(summaries)
+            print(render_saved(args.show), end="")
             return 0
         _check_bounds(args)
         config = config_from_args(args)
@@ -268,20 +289,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradwire train: {error}", file=sys.stderr)
         return 2
     if under_torchrun:
-        summaries = _run_under_torchrun(config)
-    else:
-        total = min(config.epochs * steps_per_epoch, config.max_steps or config.epochs * steps_per_epoch)
-        _note(f"{workers} {'worker namespaces' if cluster is not None else 'local workers'}, {config.model}"
-              f"{' on ' + (config.data or 'its default data') if config.text is None else ' on ' + config.text}, "
-              f"{len(config.methods)} method(s) x {total} steps; starting the workers "
-              f"({'a progress bar' if config.progress else 'one line per epoch'} follows)")
-        saver = (lambda partial: _write_json(args.json, partial)) if args.json else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            summaries = launch(config, workers, timeout=args.timeout, cluster=cluster, on_summaries=saver)
-        for warning in caught:
-            _note(f"warning: {warning.message}")
-    if summaries is None:  # a torchrun rank other than 0
+        code = _report(args, _run_under_torchrun(config))
+        # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291), and
+        # torchrun would count that as a failed rank: the group is down and the results are out, so leave
+        # without the interpreter's teardown (as every worker and example does)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    total = min(config.epochs * steps_per_epoch, config.max_steps or config.epochs * steps_per_epoch)
+    _note(f"{workers} {'worker namespaces' if cluster is not None else 'local workers'}, {config.model}"
+          f"{' on ' + (config.data or 'its default data') if config.text is None else ' on ' + config.text}, "
+          f"{len(config.methods)} method(s) x {total} steps; starting the workers "
+          f"({'a progress bar' if config.progress else 'one line per epoch'} follows)")
+    saver = (lambda partial: _write_json(args.json, partial)) if args.json else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summaries = launch(config, workers, timeout=args.timeout, cluster=cluster, on_summaries=saver)
+    for warning in caught:
+        _note(f"warning: {warning.message}")
+    return _report(args, summaries)
+
+
+def _report(args: argparse.Namespace, summaries: Optional[list[dict[str, Any]]]) -> int:
+    """Print the tables (and write --json) of a finished run; the exit status (1: a method trained
+    no step). ``summaries`` is None on a torchrun rank other than 0, which reports nothing."""
+    if summaries is None:
         return 0
     print_summary(summaries)
     if args.json:
@@ -311,6 +343,48 @@ def _run_under_torchrun(config: Any) -> Optional[list[dict[str, Any]]]:
         dist.destroy_process_group()
 
 
+#: what print_summary reads from every summary (a saved --json file must hold them)
+SUMMARY_KEYS = ("method", "model", "world_size", "steps", "test_accuracy", "final_loss", "seconds_per_step",
+                "bytes_per_step", "parameters", "phases")
+
+
+def render_saved(path: str) -> str:
+    """The tables of a saved ``--json`` file, as :func:`print_summary` prints them.
+
+    Raises:
+        UsageError: the file cannot be read, or does not hold what ``--json`` writes (a list of
+            method summaries); the tables are rendered before any is printed, so a bad file
+            prints nothing but the one line.
+    """
+    where = f"--show={path!r}"
+    try:
+        with open(path) as handle:
+            summaries = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{where} cannot be read as a saved --json file ({error})") from None
+    if not isinstance(summaries, list):
+        raise UsageError(f"{where} is not a saved --json file of gradwire train: it holds a "
+                         f"{type(summaries).__name__}, expected a list of method summaries")
+    if not summaries:
+        raise UsageError(f"{where} holds no method summaries (a run writes [] when it starts: did it stop before "
+                         "its first method finished?)")
+    for index, summary in enumerate(summaries):
+        missing = [key for key in SUMMARY_KEYS if key not in summary] if isinstance(summary, dict) else None
+        if missing is None or missing:
+            what = f"lacks {', '.join(map(repr, missing))}" if missing else \
+                f"is {json.dumps(summary)[:40]}, not an object"
+            raise UsageError(f"{where} is not a saved --json file of gradwire train: summary {index} {what}; "
+                             f"each must hold {', '.join(SUMMARY_KEYS)}")
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            print_summary(summaries)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        raise UsageError(f"{where} is not a saved --json file of gradwire train: a summary holds a value of "
+                         f"the wrong kind ({type(error).__name__}: {error})") from None
+    return buffer.getvalue()
+
+
 def _number(value: Any, fmt: str) -> str:
     return MISSING if value is None or value != value else format(value, fmt)
 
@@ -333,11 +407,16 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
             missing.add("MB sent: PyTorch's PowerSGD hook keeps no byte counter")
         if baseline is None:
             missing.add("x allreduce: no allreduce run to compare with")
-        rows.append([s["method"], accuracy, _number(s["final_loss"], ".4g"), _number(s["seconds_per_step"], ".3f"),
+        rows.append([s["method"], accuracy, _number(s["final_loss"], ".4f"), _number(s["seconds_per_step"], ".3f"),
                      _number(ratio, ".2f"), _number(s["bytes_per_step"] / 1e6, ".3f"), _number(byte_ratio, ".4f"),
                      f"{s['parameters']:,}"])
-    print(format_table(["method", "test acc ↑", "final loss ↓", "s/step ↓", "time x allreduce ↓", "MB sent/step ↓",
-                        "bytes x allreduce ↓", "params"], rows))
+    # final_loss is the last epoch's mean loss, as the epoch lines print it (one batch's loss is noise)
+    print(format_table(["method", "test acc ↑", "last epoch loss ↓", "s/step ↓", "time x allreduce ↓",
+                        "MB sent/step ↓", "bytes x allreduce ↓", "params"], rows))
+    link = first.get("link")
+    if link and link.get("kind") == LOOPBACK:
+        print("link: loopback, unshaped: compression saves bytes but no time here and can trail allreduce "
+              "(--cluster: rate-limited links)")
     phases = ("forward", "backward", "compress", "communicate", "decompress", "optimizer")
     print("\nmedian seconds per step by phase, lower is better (backward includes the hook; communicate overlaps "
           "backward)")
@@ -346,7 +425,6 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
     if any(MISSING in row[3:6] for row in phase_rows):
         missing.add("compress/communicate/decompress: only gradwire's hook times its phases")
     print(format_table(["method", *phases], phase_rows))
-    link = first.get("link")
     if link and link.get("tx_bytes"):
         print(f"\nbytes on the wire during the whole launch (interface counters; every method and setup), "
               f"{link['bandwidth']} links, {link['nodes']} node(s) x {link['workers_per_node']} worker(s)")

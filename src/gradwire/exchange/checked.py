@@ -57,9 +57,10 @@ def wait_checked(work: object, what: str, collective: str) -> None:
     try:
         ok = wait_for(work, seconds, collective)  # keeps the Work alive (gradwire.lifetime)
     except RuntimeError as error:  # gloo raises on a closed connection or a timeout
-        limit = f" (time limit {seconds} s: a peer may be dead, stuck, or training without the gradwire hook)" \
-            if seconds is not None else ""
-        raise CollectiveError(f"{what}: {collective} failed{limit}: {error.__cause__ or error}") from error
+        # wait_for's message says which limit ended the wait (the one set here, or the group's
+        # own timeout or a failed peer before it) and carries the backend's error
+        raise CollectiveError(f"{what}: {error} (a peer may be dead, stuck, or training without the gradwire "
+                              "hook)") from error
     if ok is False:  # some backends report failure by returning False instead of raising
         raise CollectiveError(f"{what}: {collective} failed (work reported no success)")
 

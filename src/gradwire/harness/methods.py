@@ -82,6 +82,51 @@ class MethodSpec:
         return options
 
 
+def _kind_name(kind: Any) -> str:
+    return {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def spec_help(width: int = 100) -> str:
+    """What a method spec may say, for ``gradwire train --help``: every name and every key with its
+    type (and its choices where the library has a fixed set), read from the tables above and the
+    registries, so the help cannot drift from what :func:`parse_method` accepts.
+
+    Args:
+        width: the line width to wrap at.
+
+    Returns:
+        Plain text, one paragraph per kind of method.
+    """
+    import textwrap
+
+    from ..codecs import base as codec_base  # the package registers every codec on import
+    from ..core.config import SCOPES
+    from ..exchange.cost import COLLECTIVES
+    from ..sparsify import sparsifiers
+
+    choices = {"values": sorted(codec_base.value_codec_classes()), "indices": sorted(codec_base.index_codec_classes()),
+               "collective": list(COLLECTIVES), "scope": list(SCOPES)}
+
+    def keys(table: dict[str, Any]) -> str:
+        described = []
+        for key, kind in table.items():
+            allowed = choices.get(key)
+            described.append(f"{key}={'|'.join(allowed) if allowed else _kind_name(kind)}")
+        return ", ".join(described) or "(no keys)"
+
+    def paragraph(head: str, body: str) -> str:
+        return textwrap.fill(f"{head}: {body}", width, initial_indent="  ", subsequent_indent="      ",
+                             break_on_hyphens=False)
+
+    hook_keys = {key: kind for key, (_, kind) in HOOK_KEYS.items()}
+    lines = ["method specs (--method SPEC): NAME[:KEY=VALUE,...]; '+' joins pufferfish with one communication "
+             "method", *(paragraph(name, keys(TORCH_KEYS[name])) for name in TORCH_HOOKS),
+             paragraph(f"gradwire compressors ({', '.join(sparsifiers())})", keys(hook_keys)),
+             paragraph("pufferfish (low-rank model after a full-rank warm-up)", keys(PUFFERFISH_KEYS))]
+    return "\n".join(lines)
+
+
 def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
     try:
         if kind == "bool":
@@ -92,9 +137,7 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
             return raw if raw == "auto" else int(raw)
         return kind(raw)
     except ValueError:
-        kind_name = {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node"}.get(
-            kind, getattr(kind, "__name__", str(kind)))
-        raise ValueError(f"method {spec!r}: {key}={raw!r} is not a valid {kind_name}") from None
+        raise ValueError(f"method {spec!r}: {key}={raw!r} is not a valid {_kind_name(kind)}") from None
 
 
 def _parse_part(spec: str, text: str, compressors: list[str]) -> Part:

@@ -275,7 +275,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "model": config.model,
         "world_size": world,
         "steps": len(records),
-        "final_loss": records[-1]["loss"] if records else math.nan,
+        "final_loss": last_epoch_loss(records),
+        "last_step_loss": records[-1]["loss"] if records else math.nan,
         "test_accuracy": accuracy,
         "test_loss": test_loss,
         "wall_seconds": wall,
@@ -292,6 +293,20 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "config": asdict(config),
     }
     return summary
+
+
+def last_epoch_loss(records: list[dict[str, Any]]) -> float:
+    """The mean training loss over the steps of the last epoch that ran (rank 0's batches): the
+    number the epoch lines print, and the summary's ``final_loss``. One batch's loss swings with
+    the batch, so comparing methods by the last step's loss (``last_step_loss``) would compare noise.
+
+    Returns:
+        The mean, or NaN when no step ran.
+    """
+    if not records:
+        return math.nan
+    losses = [r["loss"] for r in records if r["epoch"] == records[-1]["epoch"]]
+    return sum(losses) / len(losses)
 
 
 def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, optimizer: Any, warmup: Any,
@@ -374,9 +389,10 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 checkpoint()
                 saved = global_step
         if config.log_epochs and dist.get_rank() == 0:
-            losses = [r["loss"] for r in records[first_record:]]
+            # the same mean the summary reports as final_loss for the last epoch
+            loss = last_epoch_loss(records) if len(records) > first_record else math.nan
             print(f"{spec_text}: epoch {epoch + 1}/{config.epochs}, step {global_step}/{total_steps}, "
-                  f"mean loss {sum(losses) / max(len(losses), 1):.4f}, {time.perf_counter() - started:.1f} s",
+                  f"mean loss {loss:.4f}, {time.perf_counter() - started:.1f} s",
                   file=sys.stderr, flush=True)
         if warmup is not None and warmup.step_epoch():
             ddp, optimizer = warmup.model, warmup.optimizer
