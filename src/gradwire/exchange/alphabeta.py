@@ -13,7 +13,8 @@ A strategy is predicted to take, per step and per bucket,
   α, β), for its in-node traffic; the others run entirely on the (slow) ``link``.
 
 Per worker, for a flat gradient of ``n`` float32 elements, ``k`` entries kept, ``e`` bytes per
-coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes, ``S`` summary size):
+coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes; for the sparse AllReduce ``H``
+histogram levels of ``W`` counts of ``w`` bytes, ``s = 2 ceil(p / (8w-1))`` status words):
 
 =========================  ==============  ===============================================  ============
 strategy                   rounds          bytes                                            decoded
@@ -21,23 +22,29 @@ strategy                   rounds          bytes                                
 dense ring AllReduce       2(p-1)          2(p-1)/p · 4n                                    0
 shared-support AllReduce   2(p-1)          2(p-1)/p · v(k+1)   (v: bytes per value)         0
 payload AllGather          (p-1)·r         (p-1) · (k e + h)   (r: 2 with a length round)   (p-1) k
-sparse AllReduce           5(p-1)          (p-1)/p · k e + (p-1) · ι k/p · e                2k
-                                           + (p-1) · 4(S+6)    (ι: busiest region / mean)
+sparse AllReduce           (4+2H)(p-1)     (p-1)/p · k e + (p-1) · ι k/p · e + 16(p-1)      2k
+                                           + 2(p-1)/p · w (H W + s)   (ι: busiest / mean)
 hierarchical (intra)       4(L-1)          (L-1)/L · 4n + (L-1) · (12 k/L + 20)             (L-1) k/L
 hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nodes
 =========================  ==============  ===============================================  ============
 
-The sparse AllReduce's five rounds are the counts and data of its reduce-scatter, the summary
-AllGather, and the lengths and data of its AllGather (:mod:`.sparse_allreduce`); its bytes are
-those its code hands to the collectives (contributions assumed disjoint: the worst case for the
-reduce-scatter). :func:`choose` is a pure function of its arguments: ranks that pass the same
-numbers choose the same strategy; it never returns a strategy predicted slower than dense.
+The sparse AllReduce's rounds are the counts and data of its reduce-scatter, a reduce-scatter and
+an AllGather (``all_to_all_single``) per histogram level, and the lengths and data of its
+AllGather (:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives
+(contributions assumed disjoint: the worst case for the reduce-scatter). The model takes ``H = 2``
+levels (what typical gradients need, :mod:`.radix_threshold`) and ``W`` sized by ``k`` as the code
+sizes it, so the histograms cost at most ``16 W/k <= 1/4`` byte per kept entry, whatever ``p``.
+:func:`choose` is a pure function of its arguments: ranks that pass the same numbers choose the
+same strategy; it never returns a strategy predicted slower than dense.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
+
+from .radix_threshold import histogram_bits
 
 #: Strategies in the order ties are broken (dense first: never trade it for an equal prediction).
 STRATEGIES = ("dense", "shared-support", "allgather", "sparse-allreduce", "hierarchical")
@@ -100,21 +107,25 @@ def allgather_payloads(k: int, world_size: int, entry_bytes: float, *, header_by
     return Cost("allgather", rounds, sent, (p - 1) * k)
 
 
-def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: int = 256,
-                          imbalance: float = 1.0) -> Cost:
+def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: Optional[int] = None,
+                          imbalance: float = 1.0, levels: int = 2, count_bytes: int = 4) -> Cost:
     """:func:`.sparse_allreduce` with ``k`` entries contributed per rank and ``k`` kept overall;
-    ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p)."""
+    ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p);
+    ``summary_size``: histogram bins per level (None: sized by ``k``, as the code does); ``levels``:
+    histogram levels; ``count_bytes``: bytes per count (2 for tensors of at most 32767 elements)."""
     p = world_size
     if p == 1:
         return Cost("sparse-allreduce", 0, 0.0, 0.0)
+    bins = summary_size if summary_size is not None else 1 << histogram_bits(k)
+    status_words = 2 * math.ceil(p / (8 * count_bytes - 1))
     reduce_scatter = (p - 1) / p * k * entry_bytes + 8 * (p - 1)
-    summary = (p - 1) * 4 * (summary_size + 2)
+    histograms = 2 * (p - 1) / p * count_bytes * (levels * bins + status_words)
     allgather = (p - 1) * min(imbalance, p) * k / p * entry_bytes + 8 * (p - 1)
-    return Cost("sparse-allreduce", 5 * (p - 1), reduce_scatter + summary + allgather, 2.0 * k)
+    return Cost("sparse-allreduce", (4 + 2 * levels) * (p - 1), reduce_scatter + histograms + allgather, 2.0 * k)
 
 
 def hierarchical_cost(numel: int, k: int, nodes: int, local_size: int, entry_bytes: float = 8.0, *,
-                      summary_size: int = 256, imbalance: float = 1.0) -> Cost:
+                      summary_size: Optional[int] = None, imbalance: float = 1.0) -> Cost:
     """:func:`.hierarchical_sparse_allreduce`: in-node dense reduce-scatter, the sparse AllReduce of
     one shard (``k / local_size`` entries) across ``nodes``, in-node AllGather of the shards' results
     (12 bytes per entry + a 4-byte flag, after a lengths round)."""
