@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradwire.exchange.hierarchy import build_hierarchy, hierarchical_sparse_allreduce
-from gradwire.exchange.radix_threshold import count_slack
+from gradwire.exchange.threshold_search import count_slack
 
 from ..distributed import run_workers
 

@@ -20,7 +20,7 @@ from gradwire.exchange.calibrate import measure_link
 from gradwire.exchange.checked import CollectiveError
 from gradwire.exchange.regions import balanced_boundaries, check_boundaries, equal_boundaries
 from gradwire.exchange.checked import exact_allreduce_bytes
-from gradwire.exchange.radix_threshold import count_slack
+from gradwire.exchange.threshold_search import count_slack
 from gradwire.exchange.sparse_allreduce import sparse_allreduce
 
 from ..distributed import _entry, free_port, run_workers

@@ -32,7 +32,7 @@ The sparse AllReduce's rounds are the counts and data of its reduce-scatter, a r
 an AllGather (``all_to_all_single``) per histogram level, and the lengths and data of its
 AllGather (:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives
 (contributions assumed disjoint: the worst case for the reduce-scatter). The model takes ``H = 2``
-levels (what typical gradients need, :mod:`.radix_threshold`) and ``W`` sized by ``k`` as the code
+levels (what typical gradients need, :mod:`.threshold_search`) and ``W`` sized by ``k`` as the code
 sizes it, so the histograms cost at most ``16 W/k <= 1/4`` byte per kept entry, whatever ``p``.
 :func:`choose` is a pure function of its arguments: ranks that pass the same numbers choose the
 same strategy; it never returns a strategy predicted slower than dense.
@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .radix_threshold import histogram_bits
+from .threshold_search import histogram_bits
 
 #: Strategies in the order ties are broken (dense first: never trade it for an equal prediction).
 STRATEGIES = ("dense", "shared-support", "allgather", "sparse-allreduce", "hierarchical")

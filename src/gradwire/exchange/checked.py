@@ -119,19 +119,30 @@ def allgatherv(buffer: torch.Tensor, group: Optional[dist.ProcessGroup], *, what
     """AllGather of uneven 1-D buffers without padding: every rank's ``buffer`` concatenated in
     rank order, and the length of each. Runs as an ``all_to_all_single`` that sends one's own
     buffer to every peer, so a rank sends ``(p-1) * len(buffer)`` elements, not ``(p-1) * max``."""
+    received, lengths, _ = allgatherv_tagged(buffer, 0, group, what=what, collective=collective)
+    return received, lengths
+
+
+def allgatherv_tagged(buffer: torch.Tensor, tag: int, group: Optional[dist.ProcessGroup], *, what: str,
+                      collective: str) -> tuple[torch.Tensor, list[int], list[int]]:
+    """:func:`allgatherv` whose lengths round also carries one ``tag`` per rank (``0 <= tag < 2^31``,
+    in the same int64 word as the length, ``< 2^32``: no extra bytes), e.g. for the ranks to check,
+    before the data moves, that they agree on something. Returns the buffers, lengths and tags."""
+    if not 0 <= tag < 2**31 or buffer.numel() >= 2**32:
+        raise ValueError(f"{what}: tag={tag} must be in [0, 2^31) and the buffer under 2^32 elements")
     size = group_size(group)
     if size == 1:
-        return buffer.clone(), [buffer.numel()]
-    mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
-    lengths = [int(n) for n in allgather_tensor(mine, group, what=what, collective=f"{collective} (lengths)")
-               .reshape(-1).tolist()]
-    if min(lengths) < 0:
-        raise CollectiveError(f"{what}: {collective} (lengths) received a negative length {lengths}")
+        return buffer.clone(), [buffer.numel()], [tag]
+    mine = torch.tensor([(tag << 32) | buffer.numel()], dtype=torch.int64, device=buffer.device)
+    words = allgather_tensor(mine, group, what=what, collective=f"{collective} (lengths)").reshape(-1).tolist()
+    lengths, tags = [w & 0xFFFFFFFF for w in words], [w >> 32 for w in words]
+    if min(tags) < 0:
+        raise CollectiveError(f"{what}: {collective} (lengths) received a negative word {words}")
     received = torch.empty(sum(lengths), dtype=buffer.dtype, device=buffer.device)
     work = dist.all_to_all_single(received, buffer.repeat(size), output_split_sizes=lengths,
                                   input_split_sizes=[buffer.numel()] * size, group=group, async_op=True)
     wait_checked(work, what, collective)
-    return received, lengths
+    return received, lengths, tags
 
 
 def exact_allreduce_chunks(words: int, world_size: int) -> list[int]:

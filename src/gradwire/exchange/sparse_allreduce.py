@@ -5,32 +5,35 @@ flat space of ``numel`` positions, cut into ``p`` regions (:mod:`.regions`); ran
 
 1. **Reduce-scatter** (:func:`.sparse_reduce_scatter`): each rank sends region j's entries to rank
    j (counts first), and each owner sums what it received in rank order (deterministic).
-2. **Agreed threshold** (:mod:`.radix_threshold`): each owner counts its reduced magnitudes in a
-   histogram of ``2^b`` bins on the float32 bit pattern (a log2 scale: level 1 has ``2^b / 256`` bins
-   per octave); one exact SUM AllReduce of the histograms, this rank's status words appended to
-   level 1's; every rank picks the same bin from the same sums and, while that bin holds more than a
-   small slack of entries beyond ``k``, refines inside it with another histogram of the next ``b``
-   bits (typically one more). The threshold ``t`` is the chosen bin's lower edge: the same bits on
-   every rank. No ``torch.topk``: ties at ``t`` all survive, on every rank.
+2. **Agreed threshold** (:mod:`.threshold_search`): each owner counts its reduced magnitudes in a
+   histogram of ``W`` bins over their float32 bit patterns (a log2 scale: ``W/256`` bins per octave
+   over the whole float32 range, or, given ``threshold_hint``, ``W - 2`` bins over ``[hint/2, 2
+   hint)`` and one on either side); one exact SUM AllReduce of the histograms, this rank's status
+   words appended to the first one's; every rank picks the same bin from the same sums and, while
+   that bin holds more than a small slack of entries beyond ``k``, refines inside it with another
+   histogram (typically none more with a good hint, one without). The threshold ``t`` is the chosen
+   bin's lower edge: the same bits on every rank. No ``torch.topk``: ties at ``t`` all survive.
 3. **AllGather** (``all_to_all_single`` with uneven sizes, lengths first): each owner sends the
    entries of its region with ``|sum| >= t`` to everyone. Every rank, the owner included, uses the
-   *decoded* bytes, so the result is identical bit for bit on all ranks.
+   *decoded* bytes, so the result is identical bit for bit on all ranks. The lengths round also
+   carries each rank's ``t``: ranks that disagree (different ``k`` or hint) all raise before the data.
 
 **Volume per worker**, ``e`` bytes per coded entry, disjoint supports, balanced regions, ``L``
-histogram levels of ``W = 2^b`` counts of ``w`` bytes (``w`` = 2 up to ``numel`` 32767, 4 up to
+histogram levels of ``W`` counts of ``w`` bytes (``w`` = 2 up to ``numel`` 32767, 4 up to
 ``2^31 - 1``, else 8)::
 
     (p-1)/p * k * e  +  8 (p-1)                       reduce-scatter: data, counts
   + 2 (p-1)/p * w * (L W + 2 ceil(p / (8w - 1)))       histograms and the two status bitmaps
-  + (p-1) * k/p * e  +  8 (p-1)                       AllGather: data, lengths
+  + (p-1) * k/p * e  +  8 (p-1)                       AllGather: data, lengths (and thresholds)
 
-about ``2k(p-1)/p`` entries plus ``4 L W w`` bytes, whatever ``p`` (the histograms' part is flat in
+about ``2k(p-1)/p`` entries plus ``2 L W w`` bytes, whatever ``p`` (the histograms' part is flat in
 p but for one word per ``8w - 1`` ranks; the counts and lengths, 16 bytes per peer, are the only
 terms linear in p). ``W`` is ``k/128..k/64`` (:func:`.histogram_bits`), so with ``L = 2`` the
 histograms add at most 1/4 byte per kept entry. An imbalanced region costs its owner up to
 ``(p-1) * k`` in step 3; :func:`.balanced_boundaries` keeps regions even. The exact bytes this rank
 handed to the collectives (its own share excluded) are in ``SparseAllreduceResult.sent_by_collective``
-(one ``"threshold histogram <l>"`` key per level).
+(one ``"threshold histogram <l>"`` key per level; :func:`.exact_allreduce_bytes` gives each). Rounds:
+``(4 + 2L)(p-1)`` counted as in :mod:`.alphabeta` (each ``all_to_all_single`` ``p - 1``).
 
 **How many survive** (``N`` the reduced support): all ``N`` when ``k >= N``, none when ``k = 0``,
 else ``k <= survivors <= k + max(max(4, k // 32), T - 1)``, ``T`` the entries tied at the k-th
@@ -53,7 +56,7 @@ of the first histogram, so every rank raises (:class:`~gradwire.errors.DecodeErr
 ``finite=False`` together, after the same rounds.
 
 Blocking, on the caller's thread; every rank must call it in the same order with the same
-``numel``, ``k``, ``boundaries`` and ``summary_size``.
+``numel``, ``k``, ``boundaries``, ``summary_size`` and ``threshold_hint``.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DecodeError
-from .checked import allgatherv, allreduce_sum_exact, exact_allreduce_bytes, group_rank, group_size
-from .radix_threshold import RadixSearch, count_dtype, magnitude_keys
+from .checked import allgatherv_tagged, allreduce_sum_exact, exact_allreduce_bytes, group_rank, group_size
+from .threshold_search import KEYS, ThresholdSearch, count_dtype, magnitude_keys
 from .region_payload import RegionCodec, decode_region, encode_region, is_wide
 from .regions import check_boundaries
 from .sparse_reduce_scatter import RegionStatus, read_status_words, sparse_reduce_scatter, status_words
@@ -115,7 +118,8 @@ class SparseAllreduceResult:
 
 def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int, k: int,
                      boundaries: Sequence[int], group: Optional[dist.ProcessGroup] = None,
-                     codec: Optional[RegionCodec] = None, summary_size: Optional[int] = None) -> SparseAllreduceResult:
+                     codec: Optional[RegionCodec] = None, summary_size: Optional[int] = None,
+                     threshold_hint: Optional[float] = None) -> SparseAllreduceResult:
     """Sum the ranks' sparse contributions and keep about ``k`` entries of the sum (see module doc).
 
     Args:
@@ -126,8 +130,12 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
         boundaries: ``p + 1`` ints, the same on every rank (:mod:`.regions`).
         group: the process group (None: the default one; none initialized: a world of one).
         codec: codes the region payloads (None: raw 8-byte entries).
-        summary_size: histogram bins per level, a power of two in 2..4096 (None: sized by ``k``,
+        summary_size: histogram bins per level, a power of two in 4..4096 (None: sized by ``k``,
             :func:`.histogram_bits`).
+        threshold_hint: where the threshold is likely to be, e.g. the previous step's ``threshold``
+            for the same tensors; the first histogram then resolves ``[hint/2, 2 hint)`` finely and
+            typically settles it in one level. Any value is safe (a bad one costs one more level;
+            non-finite or <= 0: none), but it must be the same on every rank (checked: see Raises).
 
     Returns:
         :class:`SparseAllreduceResult`, the same ``indices``/``values``/``threshold`` on every rank.
@@ -135,11 +143,14 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
     Raises:
         ValueError: bad arguments (before any collective, alike on ranks that pass the same ones).
         DecodeError: some owner could not decode a payload (on every rank, naming the owners).
+        ValueError: the ranks agreed on different thresholds (they passed different ``k``,
+            ``summary_size`` or ``threshold_hint``): found in the AllGather's lengths round, where
+            every rank sees every rank's threshold, so all raise before the data moves.
         CollectiveError: a collective failed (on every surviving rank).
     """
     size, me = group_size(group), group_rank(group)
     bounds = check_boundaries(boundaries, numel, size)
-    search = RadixSearch.start(k, summary_size)
+    search = ThresholdSearch.start(k, summary_size, threshold_hint)
     scattered = sparse_reduce_scatter(indices=indices, values=values, numel=numel, boundaries=bounds, group=group,
                                       codec=codec, what=WHAT)
     sent = dict(scattered.sent_by_collective)
@@ -149,10 +160,9 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
 
     # 2. agree on a threshold; the status bitmaps ride on the first level
     dtype = count_dtype(numel)
-    level = 1
     words = torch.cat([search.local_counts(keys).to(dtype), status_words(scattered.status, me, size, dtype).to(device)])
-    summed = _allreduce(words, group, level, sent)
-    status = read_status_words(summed[1 << search.width:], size)
+    summed = _allreduce(words, group, 1, sent)
+    status = read_status_words(summed[search.bins:], size)
     if status.decode_failed:
         error = scattered.error
         raise DecodeError(f"{WHAT}: rank(s) {list(status.decode_failed)} could not decode a region payload"
@@ -162,17 +172,20 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
         return SparseAllreduceResult(empty, torch.empty(0, device=device), torch.zeros_like(indices, dtype=torch.bool),
                                      scattered.contributed, empty, torch.empty(0, device=device),
                                      float("nan"), False, sent)
-    search = search.refine(summed[:1 << search.width])
+    search = search.refine(summed[:search.bins])
     while not search.done:
-        level += 1
-        search = search.refine(_allreduce(search.local_counts(keys).to(dtype), group, level, sent))
+        search = search.refine(_allreduce(search.local_counts(keys).to(dtype), group, search.level + 1, sent))
 
     # 3. allgather the surviving entries of every region; everyone uses the decoded bytes
     keep = keys >= search.threshold_key
     kept_indices, kept_sums = scattered.indices[keep], scattered.values[keep]
     wide = is_wide(bounds)
     data, _ = encode_region(codec, kept_indices, kept_sums, scattered.length, wide)
-    gathered, lengths = allgatherv(data, group, what=WHAT, collective="allgather all_to_all_single")
+    tag = min(search.threshold_key, KEYS - 1)  # "none" and the NaN patterns alike: nothing finite is kept
+    gathered, lengths, tags = allgatherv_tagged(data, tag, group, what=WHAT, collective="allgather all_to_all_single")
+    if len(set(tags)) > 1:
+        raise ValueError(f"{WHAT}: the ranks agreed on different thresholds (keys {sorted(set(tags))}): "
+                         "every rank must pass the same k, summary_size and threshold_hint")
     sent["allgather lengths"] = 8 * (size - 1)
     sent["allgather"] = data.numel() * (size - 1)
     out_indices, out_values = [], []
