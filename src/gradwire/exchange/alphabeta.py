@@ -31,9 +31,11 @@ hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nod
 The sparse AllReduce's rounds are the counts and data of its reduce-scatter, a reduce-scatter and
 an AllGather (``all_to_all_single``) per histogram level, and the lengths and data of its
 AllGather (:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives
-(contributions assumed disjoint: the worst case for the reduce-scatter). The model takes ``H = 2``
-levels (what typical gradients need, :mod:`.threshold_search`) and ``W`` sized by ``k`` as the code
-sizes it, so the histograms cost at most ``16 W/k <= 1/4`` byte per kept entry, whatever ``p``.
+(contributions assumed disjoint: the worst case for the reduce-scatter). The model takes ``H = 1``
+level by default, the steady state of the hook, which passes each layout's previous threshold as
+the hint (``H = 2`` is what a first step, without a hint, typically needs: :mod:`.threshold_search`),
+and ``W`` sized by ``k`` as the code sizes it: the histograms cost at most ``8 H W/k <= H/8`` byte
+per kept entry, whatever ``p``.
 :func:`choose` is a pure function of its arguments: ranks that pass the same numbers choose the
 same strategy; it never returns a strategy predicted slower than dense.
 """
@@ -108,11 +110,12 @@ def allgather_payloads(k: int, world_size: int, entry_bytes: float, *, header_by
 
 
 def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: Optional[int] = None,
-                          imbalance: float = 1.0, levels: int = 2, count_bytes: int = 4) -> Cost:
+                          imbalance: float = 1.0, levels: int = 1, count_bytes: int = 4) -> Cost:
     """:func:`.sparse_allreduce` with ``k`` entries contributed per rank and ``k`` kept overall;
     ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p);
     ``summary_size``: histogram bins per level (None: sized by ``k``, as the code does); ``levels``:
-    histogram levels; ``count_bytes``: bytes per count (2 for tensors of at most 32767 elements)."""
+    histogram levels (1: with a good hint; 2: typical without); ``count_bytes``: bytes per count (2 for
+    tensors of at most 32767 elements)."""
     p = world_size
     if p == 1:
         return Cost("sparse-allreduce", 0, 0.0, 0.0)
