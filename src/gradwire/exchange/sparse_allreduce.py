@@ -8,22 +8,23 @@ flat space of ``numel`` positions, cut into ``p`` regions (:mod:`.regions`); ran
 2. **Agreed threshold** (:mod:`.threshold_search`): each owner counts its reduced magnitudes in a
    histogram of ``W`` bins over their float32 bit patterns (a log2 scale: ``W/256`` bins per octave
    over the whole float32 range, or, given ``threshold_hint``, ``W - 2`` bins over ``[hint/2, 2
-   hint)`` and one on either side); one exact SUM AllReduce of the histograms, this rank's status
-   words appended to the first one's; every rank picks the same bin from the same sums and, while
-   that bin holds more than a small slack of entries beyond ``k``, refines inside it with another
-   histogram (typically none more with a good hint, one without). The threshold ``t`` is the chosen
-   bin's lower edge: the same bits on every rank. No ``torch.topk``: ties at ``t`` all survive.
+   hint)`` and one on either side); one exact SUM AllReduce of the histograms, the first one led by
+   a fingerprint of the search's arguments and this rank's status words; every rank picks the same
+   bin from the same sums and, while that bin holds more than a small slack of entries beyond ``k``,
+   refines inside it with another histogram (typically none more with a good hint, one without).
+   The threshold ``t`` is the chosen bin's lower edge: the same bits on every rank. No
+   ``torch.topk``: ties at ``t`` all survive.
 3. **AllGather** (``all_to_all_single`` with uneven sizes, lengths first): each owner sends the
    entries of its region with ``|sum| >= t`` to everyone. Every rank, the owner included, uses the
    *decoded* bytes, so the result is identical bit for bit on all ranks. The lengths round also
-   carries each rank's ``t``: ranks that disagree (different ``k`` or hint) all raise before the data.
+   carries each rank's ``t``, checked like the fingerprint: ranks that disagree all raise.
 
 **Volume per worker**, ``e`` bytes per coded entry, disjoint supports, balanced regions, ``L``
 histogram levels of ``W`` counts of ``w`` bytes (``w`` = 2 up to ``numel`` 32767, 4 up to
 ``2^31 - 1``, else 8)::
 
     (p-1)/p * k * e  +  8 (p-1)                       reduce-scatter: data, counts
-  + 2 (p-1)/p * w * (L W + 2 ceil(p / (8w - 1)))       histograms and the two status bitmaps
+  + 2 (p-1)/p * w * (L W + 32 + 2 ceil(p / (8w - 1)))  histograms, fingerprint, two status bitmaps
   + (p-1) * k/p * e  +  8 (p-1)                       AllGather: data, lengths (and thresholds)
 
 about ``2k(p-1)/p`` entries plus ``2 L W w`` bytes, whatever ``p`` (the histograms' part is flat in
@@ -53,7 +54,10 @@ region payload (:mod:`.region_payload`; raw entries without one).
 **Failures**: every collective is waited on and checked (:class:`.CollectiveError` names it); a
 payload an owner cannot decode, or a non-finite reduced value, is announced in the status bitmaps
 of the first histogram, so every rank raises (:class:`~gradwire.errors.DecodeError`) or returns
-``finite=False`` together, after the same rounds.
+``finite=False`` together, after the same rounds. Ranks that passed different ``k``,
+``summary_size`` or ``threshold_hint`` see it in the fingerprint and all raise ``ValueError`` there,
+before they could run different numbers of levels (the hook passes the previous step's threshold,
+identical on every rank by construction).
 
 Blocking, on the caller's thread; every rank must call it in the same order with the same
 ``numel``, ``k``, ``boundaries``, ``summary_size`` and ``threshold_hint``.
@@ -69,7 +73,7 @@ import torch.distributed as dist
 
 from ..errors import DecodeError
 from .checked import allgatherv_tagged, allreduce_sum_exact, exact_allreduce_bytes, group_rank, group_size
-from .threshold_search import KEYS, ThresholdSearch, count_dtype, magnitude_keys
+from .threshold_search import FINGERPRINT_WORDS, KEYS, ThresholdSearch, count_dtype, fingerprints_agree, magnitude_keys
 from .region_payload import RegionCodec, decode_region, encode_region, is_wide
 from .regions import check_boundaries
 from .sparse_reduce_scatter import RegionStatus, read_status_words, sparse_reduce_scatter, status_words
@@ -143,9 +147,9 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
     Raises:
         ValueError: bad arguments (before any collective, alike on ranks that pass the same ones).
         DecodeError: some owner could not decode a payload (on every rank, naming the owners).
-        ValueError: the ranks agreed on different thresholds (they passed different ``k``,
-            ``summary_size`` or ``threshold_hint``): found in the AllGather's lengths round, where
-            every rank sees every rank's threshold, so all raise before the data moves.
+        ValueError: the ranks passed different ``k``, ``summary_size`` or ``threshold_hint`` (seen in
+            the first histogram round's fingerprint, or as different thresholds in the AllGather's
+            lengths round: on every rank, before the data moves).
         CollectiveError: a collective failed (on every surviving rank).
     """
     size, me = group_size(group), group_rank(group)
@@ -158,11 +162,14 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
     keys = (magnitude_keys(scattered.values) if scattered.status is RegionStatus.OK
             else torch.empty(0, dtype=torch.int64, device=device))
 
-    # 2. agree on a threshold; the status bitmaps ride on the first level
+    # 2. agree on a threshold; the arguments' fingerprint and the status bitmaps ride on level 1
     dtype = count_dtype(numel)
-    words = torch.cat([search.local_counts(keys).to(dtype), status_words(scattered.status, me, size, dtype).to(device)])
-    summed = _allreduce(words, group, 1, sent)
-    status = read_status_words(summed[search.bins:], size)
+    head = torch.cat([search.fingerprint_words(dtype), status_words(scattered.status, me, size, dtype)]).to(device)
+    summed = _allreduce(torch.cat([head, search.local_counts(keys).to(dtype)]), group, 1, sent)
+    if not fingerprints_agree(summed[:FINGERPRINT_WORDS], size):
+        raise ValueError(f"{WHAT}: the ranks started different threshold searches: every rank must pass the "
+                         "same k, summary_size and threshold_hint")
+    status = read_status_words(summed[FINGERPRINT_WORDS:head.numel()], size)
     if status.decode_failed:
         error = scattered.error
         raise DecodeError(f"{WHAT}: rank(s) {list(status.decode_failed)} could not decode a region payload"
@@ -172,7 +179,7 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
         return SparseAllreduceResult(empty, torch.empty(0, device=device), torch.zeros_like(indices, dtype=torch.bool),
                                      scattered.contributed, empty, torch.empty(0, device=device),
                                      float("nan"), False, sent)
-    search = search.refine(summed[:search.bins])
+    search = search.refine(summed[head.numel():])
     while not search.done:
         search = search.refine(_allreduce(search.local_counts(keys).to(dtype), group, search.level + 1, sent))
 

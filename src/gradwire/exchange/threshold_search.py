@@ -31,6 +31,8 @@ take at most ``ceil(31 / log2 W)`` levels, plus one for a hint that missed.
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -41,6 +43,8 @@ KEY_BITS = 31
 KEYS = 1 << KEY_BITS
 #: keys per octave: the float32 mantissa's 23 bits
 OCTAVE = 1 << 23
+#: words of the arguments' fingerprint that ride on level 1 (one per bit of a CRC-32)
+FINGERPRINT_WORDS = 32
 MIN_BITS, MAX_BITS = 7, 11
 
 
@@ -65,6 +69,12 @@ def count_dtype(numel: int) -> torch.dtype:
         if numel <= torch.iinfo(dtype).max:
             return dtype
     return torch.int64
+
+
+def fingerprints_agree(summed: torch.Tensor, world_size: int) -> bool:
+    """Whether summed :meth:`ThresholdSearch.fingerprint_words` say every rank's search was the same."""
+    words = summed.cpu().to(torch.int64)
+    return bool(((words == 0) | (words == world_size)).all())
 
 
 def magnitude_keys(values: torch.Tensor) -> torch.Tensor:
@@ -129,6 +139,14 @@ class ThresholdSearch:
         if self.lo == self.hi:  # decided at level 1 without a bin: everything or nothing
             return -math.inf if self.lo == 0 else math.inf
         return key_to_float(self.lo)
+
+    def fingerprint_words(self, dtype: torch.dtype) -> torch.Tensor:
+        """(32,) ``dtype`` words, bit j of a CRC-32 of ``(k, bins, hint)`` in word j. Summed over the
+        ranks, every word is 0 or ``p`` exactly when all ranks started the same search
+        (:func:`fingerprints_agree`): checked on level 1, before ranks that disagree could run
+        different numbers of levels (mismatched collectives)."""
+        crc = zlib.crc32(struct.pack("<qqq", self.k, self.bins, -1 if self.hint_key is None else self.hint_key))
+        return ((crc >> torch.arange(FINGERPRINT_WORDS)) & 1).to(dtype)
 
     def edges(self) -> torch.Tensor:
         """(bins + 1,) int64 ascending edges of this level's bins, bin d holding keys in ``[e_d, e_{d+1})``."""
