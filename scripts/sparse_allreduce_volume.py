@@ -7,6 +7,8 @@ Three settings (the issue's targets):
   algorithm's ``2k(p-1)/p`` entries;
 * **small model**: 200k elements, top-k 1%, p = 8: at most 0.35x the bytes of an AllGather of the
   same entries;
+* **tiny bucket**: 3,000 elements (k = 30), p = 8, no target: what the fixed part of the summary
+  (fingerprint, status, 64 bins of int16) weighs where the entries are few;
 * **ResNet-50**: 25,557,032 elements, 1%, p = 16 .. 1024: no machine here runs that, so the alpha-beta
   model (``alphabeta.sparse_allreduce_cost``, the formula the measured rows are checked against)
   gives the volume in entries of k: at most 2.2 k for every p.
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RESNET50 = 25_557_032
-SETTINGS = {"wide MLP": (4_700_000, 8), "small model": (200_000, 8)}
+SETTINGS = {"wide MLP": (4_700_000, 8), "small model": (200_000, 8), "tiny bucket": (3_000, 8)}
 DENSITY = 0.01
 
 
@@ -137,6 +139,7 @@ def summarize(name: str, numel: int, world_size: int, per_rank: list[list[dict]]
 
 def main() -> int:
     from gradwire.exchange.alphabeta import sparse_allreduce_cost
+    from gradwire.exchange.threshold_search import count_dtype
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--raw-only", action="store_true", help="only raw 8-byte entries (no codecs)")
@@ -160,7 +163,8 @@ def main() -> int:
               f"{row['levels']:>3} {row['kept']:>6} {cells} {row['mean']:>9.0f} {row['max']:>9.0f} "
               f"{row['algorithm_bytes']:>10.0f} {row['vs_algorithm_max']:>8.3f} {row['allgather_bytes']:>10.0f} "
               f"{row['vs_allgather_max']:>7.3f}")
-        row["model_bytes"] = sparse_allreduce_cost(row["k"], row["p"], 8.0, levels=row["levels"]).bytes_sent
+        row["model_bytes"] = sparse_allreduce_cost(row["k"], row["p"], 8.0, levels=row["levels"],
+                                                   count_bytes=count_dtype(row["numel"]).itemsize).bytes_sent
     print("model (alphabeta.sparse_allreduce_cost, same levels, e = 8) vs measured mean, raw entries: "
           + ", ".join(f"{r['setting']} step {r['step']}: {r['model_bytes']:.0f} vs {r['mean']:.0f}"
                       for r in rows if r["entries"] == "raw"))

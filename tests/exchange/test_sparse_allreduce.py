@@ -136,11 +136,11 @@ def _check_exchange(results: list[dict], numel: int, world_size: int) -> torch.T
         assert r["sent"]["reduce-scatter"] == 8 * outside
         in_region = int(((indices >= bounds[rank]) & (indices < bounds[rank + 1])).sum())
         assert r["sent"]["allgather"] == 8 * (world_size - 1) * in_region
-        # level 1: 32 fingerprint words, two 15-bit status bitmaps, 128 int16 bins (numel < 2^15)
+        # level 1: 16 fingerprint words, two 15-bit status bitmaps, 64 int16 bins (numel < 2^15)
         levels = [name for name in r["sent"] if name.startswith("threshold histogram")]
-        assert r["sent"]["threshold histogram 1"] == exact_allreduce_bytes(32 + 2 + 128, 2, rank, world_size)
+        assert r["sent"]["threshold histogram 1"] == exact_allreduce_bytes(16 + 2 + 64, 2, rank, world_size)
         for name in levels[1:]:
-            assert r["sent"][name] == exact_allreduce_bytes(128, 2, rank, world_size)
+            assert r["sent"][name] == exact_allreduce_bytes(64, 2, rank, world_size)
     return indices
 
 

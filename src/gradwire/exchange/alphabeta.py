@@ -14,7 +14,7 @@ A strategy is predicted to take, per step and per bucket,
 
 Per worker, for a flat gradient of ``n`` float32 elements, ``k`` entries kept, ``e`` bytes per
 coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes; for the sparse AllReduce ``H``
-histogram levels of ``W`` counts of ``w`` bytes, ``s = 32 + 2 ceil(p / (8w-1))`` fingerprint and
+histogram levels of ``W`` counts of ``w`` bytes, ``s = 16 + 2 ceil(p / (8w-1))`` fingerprint and
 status words):
 
 =========================  ==============  ===============================================  ============
@@ -121,7 +121,7 @@ def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, 
     if p == 1:
         return Cost("sparse-allreduce", 0, 0.0, 0.0)
     bins = summary_size if summary_size is not None else 1 << histogram_bits(k)
-    status_words = 32 + 2 * math.ceil(p / (8 * count_bytes - 1))  # fingerprint, two bitmaps of ranks
+    status_words = 16 + 2 * math.ceil(p / (8 * count_bytes - 1))  # fingerprint, two bitmaps of ranks
     reduce_scatter = (p - 1) / p * k * entry_bytes + 8 * (p - 1)
     histograms = 2 * (p - 1) / p * count_bytes * (levels * bins + status_words)
     allgather = (p - 1) * min(imbalance, p) * k / p * entry_bytes + 8 * (p - 1)

@@ -24,13 +24,13 @@ histogram levels of ``W`` counts of ``w`` bytes (``w`` = 2 up to ``numel`` 32767
 ``2^31 - 1``, else 8)::
 
     (p-1)/p * k * e  +  8 (p-1)                       reduce-scatter: data, counts
-  + 2 (p-1)/p * w * (L W + 32 + 2 ceil(p / (8w - 1)))  histograms, fingerprint, two status bitmaps
+  + 2 (p-1)/p * w * (L W + 16 + 2 ceil(p / (8w - 1)))  histograms, fingerprint, two status bitmaps
   + (p-1) * k/p * e  +  8 (p-1)                       AllGather: data, lengths (and thresholds)
 
 about ``2k(p-1)/p`` entries plus ``2 L W w`` bytes, whatever ``p`` (the histograms' part is flat in
 p but for one word per ``8w - 1`` ranks; the counts and lengths, 16 bytes per peer, are the only
-terms linear in p). ``W`` is ``k/128..k/64`` (:func:`.histogram_bits`), so with ``L = 2`` the
-histograms add at most 1/4 byte per kept entry. An imbalanced region costs its owner up to
+terms linear in p). ``W`` is ``k/128..k/64``, at least 64 (:func:`.histogram_bits`), so with ``L = 2``
+the histograms add at most 1/4 byte per kept entry for ``k >= 4096``. An imbalanced region costs its owner up to
 ``(p-1) * k`` in step 3; :func:`.balanced_boundaries` keeps regions even. The exact bytes this rank
 handed to the collectives (its own share excluded) are in ``SparseAllreduceResult.sent_by_collective``
 (one ``"threshold histogram <l>"`` key per level; :func:`.exact_allreduce_bytes` gives each). Rounds:
@@ -73,7 +73,8 @@ import torch.distributed as dist
 
 from ..errors import DecodeError
 from .checked import allgatherv_tagged, allreduce_sum_exact, exact_allreduce_bytes, group_rank, group_size
-from .threshold_search import FINGERPRINT_WORDS, KEYS, ThresholdSearch, count_dtype, fingerprints_agree, magnitude_keys
+from .threshold_search import (FINGERPRINT_WORDS, KEYS, ThresholdSearch, count_dtype, fingerprints_agree,
+                               magnitude_keys)
 from .region_payload import RegionCodec, decode_region, encode_region, is_wide
 from .regions import check_boundaries
 from .sparse_reduce_scatter import RegionStatus, read_status_words, sparse_reduce_scatter, status_words

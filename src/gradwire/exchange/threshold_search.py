@@ -22,10 +22,11 @@ with ``T`` the number of entries whose magnitude equals the k-th largest exactly
 split. The result holds the exact top-k of the magnitudes. ``k >= N`` keeps all ``N`` (threshold
 ``-inf``), ``k = 0`` none (``+inf``). :attr:`ThresholdSearch.survivors` is the exact count.
 
-**Levels**: ``W`` from ``k`` (:func:`histogram_bits`). Without a hint typical gradients stop after
-two levels (the second resolves ``W^2 / 256`` bins per octave); with a hint within a factor 2 of the
-new threshold, after one (``(W-2)/2`` bins per octave around it); ties or adversarial magnitudes
-take at most ``ceil(31 / log2 W)`` levels, plus one for a hint that missed.
+**Levels**: ``W`` from ``k`` (:func:`histogram_bits`, ``k/128`` to ``k/64`` bins, 64 to 2048).
+Without a hint typical gradients stop after two levels (the second resolves ``W^2 / 256`` bins per
+octave; small ``k`` may need a third); with a hint within a factor 2 of the new threshold, after one
+(``(W-2)/2`` bins per octave around it); ties or adversarial magnitudes take at most
+``ceil(31 / log2 W)`` levels, plus one for a hint that missed.
 """
 
 from __future__ import annotations
@@ -43,17 +44,20 @@ KEY_BITS = 31
 KEYS = 1 << KEY_BITS
 #: keys per octave: the float32 mantissa's 23 bits
 OCTAVE = 1 << 23
-#: words of the arguments' fingerprint that ride on level 1 (one per bit of a CRC-32)
-FINGERPRINT_WORDS = 32
-MIN_BITS, MAX_BITS = 7, 11
+#: words of the arguments' fingerprint that ride on level 1 (one per bit of a 16-bit CRC)
+FINGERPRINT_WORDS = 16
+MIN_BITS, MAX_BITS = 6, 11
 
 
 def histogram_bits(k: int) -> int:
-    """``log2 W``, the bins per level: ``k/128 < W <= k/64``, clamped to 128..2048.
+    """``log2 W``, the bins per level: ``k/128 < W <= k/64``, clamped to 64..2048.
 
     Two levels of 4-byte counts, each sent about twice (reduce-scatter, AllGather), then cost at most
     ``2 * 2 * 4 / 64 = 1/4`` byte per kept entry, against ``2 e`` for the entries themselves (``e``
-    bytes each): 2-4% at ``e = 3.4``. At least 128 bins keep small ``k`` to two levels (14 bits)."""
+    bytes each): 2-4% at ``e = 3.4``. Below ``k = 4096`` the floor of 64 bins trades bytes for levels:
+    with a hint a level resolves 31 bins per octave, often enough for one level on small buckets,
+    and without one two levels resolve 16 (a third may be needed); fewer bins would cost rounds
+    (``2(p-1)`` each), which weigh on small buckets' time far more than their bytes."""
     return max(MIN_BITS, min(MAX_BITS, int(k).bit_length() - 7))
 
 
@@ -141,12 +145,13 @@ class ThresholdSearch:
         return key_to_float(self.lo)
 
     def fingerprint_words(self, dtype: torch.dtype) -> torch.Tensor:
-        """(32,) ``dtype`` words, bit j of a CRC-32 of ``(k, bins, hint)`` in word j. Summed over the
-        ranks, every word is 0 or ``p`` exactly when all ranks started the same search
+        """(16,) ``dtype`` words, bit j of a 16-bit CRC of ``(k, bins, hint)`` in word j. Summed over
+        the ranks, every word is 0 or ``p`` when all ranks started the same search, and some word is
+        not when two searches differ, but for one pair of arguments in 65,536
         (:func:`fingerprints_agree`): checked on level 1, before ranks that disagree could run
         different numbers of levels (mismatched collectives)."""
         crc = zlib.crc32(struct.pack("<qqq", self.k, self.bins, -1 if self.hint_key is None else self.hint_key))
-        return ((crc >> torch.arange(FINGERPRINT_WORDS)) & 1).to(dtype)
+        return (((crc ^ (crc >> 16)) >> torch.arange(FINGERPRINT_WORDS)) & 1).to(dtype)
 
     def edges(self) -> torch.Tensor:
         """(bins + 1,) int64 ascending edges of this level's bins, bin d holding keys in ``[e_d, e_{d+1})``."""
