@@ -102,8 +102,8 @@ class ThresholdSearch:
 
     ``[lo, hi)``: keys known to hold the k-th largest (``lo == hi``: decided without one, 0 keep all,
     ``2^31`` none); ``above``: entries with keys ``>= hi``; ``survivors``: how many keys ``>= lo``
-    there are (None before level 1); ``hint_key``: the key of
-    the hint, used by level 1 only (None: no hint); ``level``: levels done.
+    there are (None before level 1); ``hint_key``: the hint's key, used by level 1 only (None: no
+    hint); ``level``: levels done.
     """
 
     k: int
