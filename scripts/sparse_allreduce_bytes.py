@@ -6,7 +6,7 @@ Runs p = 2, 4, 8 gloo ranks on loopback (one process each). Every rank draws a s
 float32 value = 8 bytes).
 
 How bytes are counted: sparse AllReduce -- what this rank's code handed to the collectives for its
-peers (``SparseAllreduceResult.sent_by_collective``: counts, data, summary, lengths; its own share
+peers (``SparseAllreduceResult.sent_by_collective``: counts, data, histograms, lengths; its own share
 excluded), max and mean over ranks. AllGather -- ring formula, ``(p-1) * k * 8`` (the same 8-byte
 entries, no header). Dense -- ring AllReduce formula, ``2 (p-1)/p * 4 numel``. ``model`` is the
 α–β model's byte prediction (``alphabeta.sparse_allreduce_cost``) for comparison.

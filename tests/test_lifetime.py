@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradwire.exchange.inflight import Launched
-from gradwire.lifetime import RECENT_WORKS, _never_free_at_exit, _recent, keep_alive, track
+from gradwire.lifetime import RECENT_WORKS, _never_free_at_exit, _recent, keep_alive
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gradwire"
 

@@ -32,7 +32,8 @@ def test_decode_cost_moves_the_crossing_to_fewer_workers() -> None:
 
 def test_projection_targets_and_auto_choice() -> None:
     result = project(Constants())
-    assert result["max_sparse_allreduce_volume_k"] <= 6.0
+    # flat in p: 2k(p-1)/p entries + histograms (one level with the hook's hint, two without) + framing
+    assert result["max_sparse_allreduce_volume_k"] <= result["max_sparse_allreduce_volume_k_unhinted"] <= 2.2
     assert result["auto_picks_winner"]
     # the winner changes with p: sparse AllReduce at 16 workers, dense at 1024 (ResNet-50, 100 Gbit/s, flat)
     numel = PROJECTED_MODELS["resnet50"]

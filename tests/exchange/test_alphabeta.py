@@ -22,9 +22,14 @@ def test_formulas() -> None:
     assert allgather_payloads(100, 8, 3.0, header_bytes=0, length_round=False).bytes_sent == 7 * 300
     assert allgather_payloads(100, 8, 3.0).decoded_entries == 700
     assert shared_support_allreduce(99, 2).bytes_sent == 400.0
-    cost = sparse_allreduce_cost(800, 4, 8.0, summary_size=10)
-    # reduce-scatter 3/4*800*8 + counts 24; summary 3*4*12; allgather 3*200*8 + lengths 24
-    assert cost.bytes_sent == 4800 + 24 + 144 + 4800 + 24 and cost.rounds == 15 and cost.decoded_entries == 1600
+    cost = sparse_allreduce_cost(800, 4, 8.0, summary_size=16, levels=2)
+    # reduce-scatter 3/4*800*8 + counts 24; two levels of 16 int32 counts + 16 + 2 words, each sent
+    # 2*3/4 times; allgather 3*200*8 + lengths 24; rounds: counts, data, 2 per level, lengths, data
+    assert cost.bytes_sent == 4800 + 24 + 1.5 * 4 * (2 * 16 + 16 + 2) + 4800 + 24
+    assert cost.rounds == 8 * 3 and cost.decoded_entries == 1600
+    # by default one level (the hook's hint) of bins sized by k: 64 for k = 800
+    default = sparse_allreduce_cost(800, 4, 8.0)
+    assert default.bytes_sent == 4800 + 24 + 1.5 * 4 * (64 + 16 + 2) + 4800 + 24 and default.rounds == 6 * 3
     assert Link.from_rate(10).beta == pytest.approx(0.8e-9)
 
 
@@ -32,8 +37,9 @@ def test_sparse_allreduce_volume_does_not_grow_with_workers() -> None:
     k, e = 250_000, 8.0  # 1% of 25M, raw entries
     for p in (2, 4, 8, 64, 1024):
         entries = sparse_allreduce_cost(k, p, e).bytes_sent / e
-        assert entries <= 2 * k + 1024 * 4 * 262 / e  # 2k(p-1)/p + the summaries and counts
-        assert entries <= 6 * k
+        # 2k(p-1)/p + one level of 2048 int32 counts (+ status), sent twice, + 16 bytes per peer
+        assert entries <= 2 * (p - 1) / p * k + (2 * 4 * (2048 + 16 + 2 * 34) + 16 * (p - 1)) / e
+        assert sparse_allreduce_cost(k, p, e, levels=2).bytes_sent / e <= 2.05 * k
     gather = allgather_payloads(k, 8, e).bytes_sent
     assert sparse_allreduce_cost(k, 8, e).bytes_sent <= 0.35 * gather
 

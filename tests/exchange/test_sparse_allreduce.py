@@ -6,7 +6,6 @@ with the worker). Every check recomputes the expected result in this process fro
 
 from __future__ import annotations
 
-import math
 import os
 import queue as queue_module
 import time
@@ -20,7 +19,9 @@ from gradwire.errors import DecodeError
 from gradwire.exchange.calibrate import measure_link
 from gradwire.exchange.checked import CollectiveError
 from gradwire.exchange.regions import balanced_boundaries, check_boundaries, equal_boundaries
-from gradwire.exchange.sparse_allreduce import _from_wire, _to_wire, agreed_threshold, region_summary, sparse_allreduce
+from gradwire.exchange.checked import exact_allreduce_bytes
+from gradwire.exchange.threshold_search import count_slack
+from gradwire.exchange.sparse_allreduce import sparse_allreduce
 
 from ..distributed import _entry, free_port, run_workers
 from .codec_adapters import DyingOnRank, FailingOnRank, Fp16Adapter
@@ -135,8 +136,18 @@ def _check_exchange(results: list[dict], numel: int, world_size: int) -> torch.T
         assert r["sent"]["reduce-scatter"] == 8 * outside
         in_region = int(((indices >= bounds[rank]) & (indices < bounds[rank + 1])).sum())
         assert r["sent"]["allgather"] == 8 * (world_size - 1) * in_region
-        assert r["sent"]["summary"] == 4 * (256 + 2) * (world_size - 1)
+        # level 1: 16 fingerprint words, two 15-bit status bitmaps, 64 int16 bins (numel < 2^15)
+        levels = [name for name in r["sent"] if name.startswith("threshold histogram")]
+        assert r["sent"]["threshold histogram 1"] == exact_allreduce_bytes(16 + 2 + 64, 2, rank, world_size)
+        for name in levels[1:]:
+            assert r["sent"][name] == exact_allreduce_bytes(64, 2, rank, world_size)
     return indices
+
+
+def _survivors_within_bound(indices: torch.Tensor, k: int, results: list[dict], numel: int) -> None:
+    """min(k, N) <= survivors <= k + slack when no magnitudes tie (random data)."""
+    support = int(_reference_sum(results, numel)[1].sum())
+    assert min(k, support) <= indices.numel() <= (k + count_slack(k) if k < support else support)
 
 
 @pytest.mark.distributed
@@ -144,9 +155,10 @@ def _check_exchange(results: list[dict], numel: int, world_size: int) -> torch.T
 def test_sparse_allreduce_on_gloo(every_size: list[dict], world_size: int) -> None:
     results = [r[world_size] for r in every_size[:world_size]]
     random = _check_exchange([r["random"] for r in results], NUMEL, world_size)
-    assert random.numel() == 100  # regions of <= 256 reduced entries: the summary is exact
+    _survivors_within_bound(random, 100, [r["random"] for r in results], NUMEL)
     hot = _check_exchange([r["hot"] for r in results], NUMEL, world_size)
-    assert hot.numel() == 50 and bool((hot >= equal_boundaries(NUMEL, world_size)[-2]).all())
+    _survivors_within_bound(hot, 50, [r["hot"] for r in results], NUMEL)
+    assert bool((hot >= equal_boundaries(NUMEL, world_size)[-2]).all())
     crowded = [r["crowded"] for r in results]
     _check_exchange(crowded, NUMEL, world_size)
     cuts = crowded[0]["boundaries"][1:-1]
@@ -154,7 +166,7 @@ def test_sparse_allreduce_on_gloo(every_size: list[dict], world_size: int) -> No
     per_region = [r["sent"]["allgather"] // (8 * (world_size - 1)) for r in crowded]
     assert max(per_region) <= 2 * 50 / world_size + 10, per_region
     empty = _check_exchange([r["empty"] for r in results], NUMEL, world_size)
-    assert empty.numel() == min(50, int(_reference_sum([r["empty"] for r in results], NUMEL)[1].sum()))
+    _survivors_within_bound(empty, 50, [r["empty"] for r in results], NUMEL)
     assert [r["empty"]["sent"]["reduce-scatter"] for r in results][0] == 0
     dense = [r["dense"] for r in results]
     _check_exchange(dense, 500, world_size)
@@ -170,8 +182,7 @@ def _check_lossy_and_feedback(results: list[dict]) -> None:
     for r in lossy[1:]:
         assert r["indices"] == lossy[0]["indices"] and r["values"] == lossy[0]["values"]
     indices = torch.tensor(lossy[0]["indices"], dtype=torch.int64)
-    p = len(results)  # summary_size=16; n_j <= 80 p in all: the documented bound, 2 sum_j ceil((n_j-1)/15)
-    assert abs(indices.numel() - 60) <= 2 * (80 * p / 15 + p)
+    assert 60 <= indices.numel() <= 60 + count_slack(60)  # 16 bins a level: more levels, the same bound
     for r in lossy:  # the sender's own contribution is what the owners decoded: fp16
         assert r["contributed"] == torch.tensor(r["in_values"]).half().float().tolist()
     # EF telescopes: applied + sum of residuals == sum of compensated gradients
@@ -200,40 +211,11 @@ def test_world_of_one_and_wide_regions() -> None:
         check_boundaries([0, 7, 5, 10], 10, 3)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_agreed_threshold_stays_within_the_documented_bound(seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    size, k = 64, 3000
-    regions = [torch.randn(int(n), generator=g).abs() * scale
-               for n, scale in zip(torch.randint(0, 20000, (5,), generator=g), [1.0, 3.0, 0.1, 1.0, 10.0])]
-    rows = torch.stack([region_summary(r, size) for r in regions])
-    t = agreed_threshold(rows, k)
-    count = sum(int((r.double() >= t).sum()) for r in regions)
-    bound = 2 * sum(math.ceil((r.numel() - 1) / (size - 1)) for r in regions if r.numel() > size)
-    assert abs(count - k) <= bound, (count, k, bound)
-    assert agreed_threshold(rows, 10**9) == float("-inf") and agreed_threshold(rows, 0) == float("inf")
-
-
-def test_agreed_threshold_is_exact_for_small_regions_and_keeps_ties() -> None:
-    regions = [torch.tensor([5.0, 1.0, 3.0]), torch.tensor([4.0, 2.0]), torch.tensor([])]
-    rows = torch.stack([region_summary(r, 8) for r in regions])
-    assert agreed_threshold(rows, 3) == 3.0
-    tied = torch.stack([region_summary(torch.tensor([2.0, 2.0, 2.0, 1.0]), 8), region_summary(torch.tensor([2.0]), 8)])
-    assert agreed_threshold(tied, 2) == 2.0  # all four 2.0s survive: ties never split by rank order
-
-
 @pytest.mark.distributed
 def test_measured_link_is_the_same_on_every_rank(every_size: list[dict]) -> None:
     links = [r[2]["link"] for r in every_size[:2]]
     assert links[0] == links[1] and links[0][0] > 0 and links[0][1] >= 0
     assert measure_link(None).alpha == 0.0  # a world of one: nothing to measure
-
-
-def test_summary_rows_survive_the_wire() -> None:
-    rows = torch.stack([region_summary(torch.rand(1000), 8), region_summary(torch.rand(3), 8),
-                        region_summary(torch.rand(5), 8, status=-1.0)])
-    rows[1, 0] = 2.0**40  # counts beyond int32
-    assert torch.equal(_from_wire(torch.stack([_to_wire(row) for row in rows])), rows)
 
 
 def _decode_failure(rank: int, group: dist.ProcessGroup) -> str:
@@ -275,8 +257,9 @@ def _dying_entry(rank, world_size, port, results, when):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("when, collective", [("between steps", "reduce-scatter all_to_all_single (counts)"),
-                                              ("mid-exchange", "summary all_gather")])
+@pytest.mark.parametrize("when, collective", [
+    ("between steps", "reduce-scatter all_to_all_single (counts)"),
+    ("mid-exchange", "threshold histogram 1 all_to_all_single (reduce-scatter)")])
 def test_a_dead_peer_makes_every_survivor_raise_within_seconds(when: str, collective: str) -> None:
     context = mp.get_context("spawn")
     results = context.Queue()

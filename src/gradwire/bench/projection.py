@@ -9,7 +9,9 @@ run (p = 16 … 1024 at 10 / 25 / 100 Gbit/s) and asks, per point:
 * what ``collective="auto"`` would choose there (:func:`gradwire.core.planner.candidates` and
   :func:`~gradwire.core.planner.choose_strategy`, with the hook's own *estimate* of the bytes per
   entry from the codecs, not the measured one): ``auto_ok`` says whether it picks the winner;
-* the sparse AllReduce's per-worker volume in units of ``k`` (the issue's target: ≤ 6);
+* the sparse AllReduce's per-worker volume in units of ``k`` (target: ≤ :data:`SPARSE_VOLUME_TARGET_K`
+  for every p), in the hook's steady state (one histogram level: the previous threshold as hint) and
+  without a hint (two levels, a first step);
 * the smallest p at which the payload AllGather of top-k becomes slower than dense AllReduce.
 
 α cannot be measured here (no latency emulation): it is a modelled constant (``alpha``).
@@ -40,6 +42,8 @@ from ..core.config import ExchangeConfig
 PROJECTED_MODELS = {"resnet50": 25_557_032, "1b": 1_000_000_000}
 PROJECTED_WORKERS = (16, 32, 64, 128, 256, 512, 1024)
 PROJECTED_LINKS_GBIT = (10.0, 25.0, 100.0)
+#: the sparse AllReduce's per-worker volume, in entries of k, that must hold for every projected p
+SPARSE_VOLUME_TARGET_K = 2.2
 #: the strategies drawn and compared, in the model's names
 STRATEGY_NAMES = ("dense", "allgather", "sparse-allreduce", "hierarchical")
 
@@ -131,6 +135,8 @@ def project_point(numel: int, density: float, world_size: int, gbit: float, cons
         "auto": auto, "auto_ok": auto == winner or seconds[auto] <= seconds[winner] * 1.0001,
         "bytes": {c.strategy: c.bytes_sent + c.intra_bytes for c in costs},
         "sparse_allreduce_volume_k": sparse.bytes_sent / constants.bytes_per_entry / k,
+        "sparse_allreduce_volume_k_unhinted": (sparse_allreduce_cost(k, world_size, constants.bytes_per_entry, levels=2)
+                                               .bytes_sent / constants.bytes_per_entry / k),
         "allgather_volume_k": allgather.bytes_sent / constants.bytes_per_entry / k,
     }
 
@@ -175,4 +181,6 @@ def project(constants: Constants, *, density: float = 0.01, models: dict[str, in
                  for name, numel in models.items()}
     return {"constants": asdict(constants), "density": density, "points": points, "allgather_loses_at": crossings,
             "max_sparse_allreduce_volume_k": max(point["sparse_allreduce_volume_k"] for point in points),
+            "max_sparse_allreduce_volume_k_unhinted": max(point["sparse_allreduce_volume_k_unhinted"]
+                                                          for point in points),
             "auto_picks_winner": all(point["auto_ok"] for point in points)}

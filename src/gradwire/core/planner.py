@@ -45,6 +45,7 @@ from ..exchange.alphabeta import (
 from ..exchange.calibrate import measure_link
 from ..exchange.checked import wait_checked
 from ..exchange.collectives import communication_device
+from ..exchange.threshold_search import count_dtype
 from ..sparsify.base import Sparsifier
 from .config import CAST_VALUE_CODECS, ExchangeConfig
 from .group import Group
@@ -107,7 +108,8 @@ def candidates(*, numel: int, k: int, world_size: int, bytes_per_entry: float, s
     """The strategies a per-rank support may take for a group, with their predicted costs."""
     costs = [dense_allreduce(numel, world_size), allgather_payloads(k, world_size, bytes_per_entry, length_round=False)]
     if sparse_allreduce:
-        costs.append(sparse_allreduce_cost(k, world_size, bytes_per_entry))
+        costs.append(sparse_allreduce_cost(k, world_size, bytes_per_entry,
+                                           count_bytes=count_dtype(numel).itemsize))
         if local_size and local_size > 1 and world_size % local_size == 0:
             costs.append(hierarchical_cost(numel, k, world_size // local_size, local_size, bytes_per_entry))
     return costs

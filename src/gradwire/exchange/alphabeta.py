@@ -13,7 +13,9 @@ A strategy is predicted to take, per step and per bucket,
   α, β), for its in-node traffic; the others run entirely on the (slow) ``link``.
 
 Per worker, for a flat gradient of ``n`` float32 elements, ``k`` entries kept, ``e`` bytes per
-coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes, ``S`` summary size):
+coded entry, ``p`` workers (``L`` per node, ``N = p/L`` nodes; for the sparse AllReduce ``H``
+histogram levels of ``W`` counts of ``w`` bytes, ``s = 16 + 2 ceil(p / (8w-1))`` fingerprint and
+status words):
 
 =========================  ==============  ===============================================  ============
 strategy                   rounds          bytes                                            decoded
@@ -23,8 +25,8 @@ quantized AllReduce        2(p-1)          2(p-1) · Q(ceil(n/p))  (b bits, bloc
                                            ≈ 2(p-1)/p · n (b/8 + 4/B)
 shared-support AllReduce   2(p-1)          2(p-1)/p · v(k+1)   (v: bytes per value)         0
 payload AllGather          (p-1)·r         (p-1) · (k e + h)   (r: 2 with a length round)   (p-1) k
-sparse AllReduce           5(p-1)          (p-1)/p · k e + (p-1) · ι k/p · e                2k
-                                           + (p-1) · 4(S+6)    (ι: busiest region / mean)
+sparse AllReduce           (4+2H)(p-1)     (p-1)/p · k e + (p-1) · ι k/p · e + 16(p-1)      2k
+                                           + 2(p-1)/p · w (H W + s)   (ι: busiest / mean)
 hierarchical (intra)       4(L-1)          (L-1)/L · 4n + (L-1) · (12 k/L + 20)             (L-1) k/L
 hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nodes
 =========================  ==============  ===============================================  ============
@@ -33,12 +35,17 @@ hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nod
 the quantized AllReduce's rounds are its reduce-scatter and AllGather ``all_to_all_single``s
 (:mod:`.quantized`), and its (de)quantization is elementwise work like dense's additions, not
 decoded entries. It is lossy (the caller's error feedback keeps what it drops): offer it to
-:func:`choose` only where that is acceptable. The sparse AllReduce's five rounds are the counts and
-data of its reduce-scatter, the summary AllGather, and the lengths and data of its AllGather
-(:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives (contributions
-assumed disjoint: the worst case for the reduce-scatter). :func:`choose` is a pure function of its
-arguments: ranks that pass the same numbers choose the same strategy; it never returns a strategy
-predicted slower than dense.
+:func:`choose` only where that is acceptable.
+The sparse AllReduce's rounds are the counts and data of its reduce-scatter, a reduce-scatter and
+an AllGather (``all_to_all_single``) per histogram level, and the lengths and data of its
+AllGather (:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives
+(contributions assumed disjoint: the worst case for the reduce-scatter). The model takes ``H = 1``
+level by default, the steady state of the hook, which passes each layout's previous threshold as
+the hint (``H = 2`` is what a first step, without a hint, typically needs: :mod:`.threshold_search`),
+and ``W`` sized by ``k`` as the code sizes it: the histograms cost at most ``8 H W/k <= H/8`` byte
+per kept entry, whatever ``p``.
+:func:`choose` is a pure function of its arguments: ranks that pass the same numbers choose the
+same strategy; it never returns a strategy predicted slower than dense.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .blockquant import quantized_bytes
+from .threshold_search import histogram_bits
 
 #: Strategies in the order ties are broken (dense first: never trade it for an equal prediction).
 STRATEGIES = ("dense", "quantized-allreduce", "shared-support", "allgather", "sparse-allreduce", "hierarchical")
@@ -120,21 +128,26 @@ def allgather_payloads(k: int, world_size: int, entry_bytes: float, *, header_by
     return Cost("allgather", rounds, sent, (p - 1) * k)
 
 
-def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: int = 256,
-                          imbalance: float = 1.0) -> Cost:
+def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: Optional[int] = None,
+                          imbalance: float = 1.0, levels: int = 1, count_bytes: int = 4) -> Cost:
     """:func:`.sparse_allreduce` with ``k`` entries contributed per rank and ``k`` kept overall;
-    ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p)."""
+    ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p);
+    ``summary_size``: histogram bins per level (None: sized by ``k``, as the code does); ``levels``:
+    histogram levels (1: with a good hint; 2: typical without); ``count_bytes``: bytes per count (2 for
+    tensors of at most 32767 elements)."""
     p = world_size
     if p == 1:
         return Cost("sparse-allreduce", 0, 0.0, 0.0)
+    bins = summary_size if summary_size is not None else 1 << histogram_bits(k)
+    status_words = 16 + 2 * math.ceil(p / (8 * count_bytes - 1))  # fingerprint, two bitmaps of ranks
     reduce_scatter = (p - 1) / p * k * entry_bytes + 8 * (p - 1)
-    summary = (p - 1) * 4 * (summary_size + 2)
+    histograms = 2 * (p - 1) / p * count_bytes * (levels * bins + status_words)
     allgather = (p - 1) * min(imbalance, p) * k / p * entry_bytes + 8 * (p - 1)
-    return Cost("sparse-allreduce", 5 * (p - 1), reduce_scatter + summary + allgather, 2.0 * k)
+    return Cost("sparse-allreduce", (4 + 2 * levels) * (p - 1), reduce_scatter + histograms + allgather, 2.0 * k)
 
 
 def hierarchical_cost(numel: int, k: int, nodes: int, local_size: int, entry_bytes: float = 8.0, *,
-                      summary_size: int = 256, imbalance: float = 1.0) -> Cost:
+                      summary_size: Optional[int] = None, imbalance: float = 1.0) -> Cost:
     """:func:`.hierarchical_sparse_allreduce`: in-node dense reduce-scatter, the sparse AllReduce of
     one shard (``k / local_size`` entries) across ``nodes``, in-node AllGather of the shards' results
     (12 bytes per entry + a 4-byte flag, after a lengths round)."""

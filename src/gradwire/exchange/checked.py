@@ -120,16 +120,87 @@ def allgatherv(buffer: torch.Tensor, group: Optional[dist.ProcessGroup], *, what
     """AllGather of uneven 1-D buffers without padding: every rank's ``buffer`` concatenated in
     rank order, and the length of each. Runs as an ``all_to_all_single`` that sends one's own
     buffer to every peer, so a rank sends ``(p-1) * len(buffer)`` elements, not ``(p-1) * max``."""
+    received, lengths, _ = allgatherv_tagged(buffer, 0, group, what=what, collective=collective)
+    return received, lengths
+
+
+def allgatherv_tagged(buffer: torch.Tensor, tag: int, group: Optional[dist.ProcessGroup], *, what: str,
+                      collective: str) -> tuple[torch.Tensor, list[int], list[int]]:
+    """:func:`allgatherv` whose lengths round also carries one ``tag`` per rank (``0 <= tag < 2^31``,
+    in the same int64 word as the length, ``< 2^32``: no extra bytes), e.g. for the ranks to check,
+    before the data moves, that they agree on something. Returns the buffers, lengths and tags."""
+    if not 0 <= tag < 2**31 or buffer.numel() >= 2**32:
+        raise ValueError(f"{what}: tag={tag} must be in [0, 2^31) and the buffer under 2^32 elements")
     size = group_size(group)
     if size == 1:
-        return buffer.clone(), [buffer.numel()]
-    mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
-    lengths = [int(n) for n in allgather_tensor(mine, group, what=what, collective=f"{collective} (lengths)")
-               .reshape(-1).tolist()]
-    if min(lengths) < 0:
-        raise CollectiveError(f"{what}: {collective} (lengths) received a negative length {lengths}")
+        return buffer.clone(), [buffer.numel()], [tag]
+    mine = torch.tensor([(tag << 32) | buffer.numel()], dtype=torch.int64, device=buffer.device)
+    words = allgather_tensor(mine, group, what=what, collective=f"{collective} (lengths)").reshape(-1).tolist()
+    lengths, tags = [w & 0xFFFFFFFF for w in words], [w >> 32 for w in words]
+    if min(tags) < 0:
+        raise CollectiveError(f"{what}: {collective} (lengths) received a negative word {words}")
     received = torch.empty(sum(lengths), dtype=buffer.dtype, device=buffer.device)
     work = dist.all_to_all_single(received, buffer.repeat(size), output_split_sizes=lengths,
                                   input_split_sizes=[buffer.numel()] * size, group=group, async_op=True)
     wait_checked(work, what, collective)
-    return received, lengths
+    return received, lengths, tags
+
+
+def exact_allreduce_chunks(words: int, world_size: int) -> list[int]:
+    """How many of the ``words`` elements each rank reduces in :func:`allreduce_sum_exact`:
+    rank r the slice ``[r * words // p, (r+1) * words // p)``."""
+    cuts = [r * words // world_size for r in range(world_size + 1)]
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def exact_allreduce_bytes(words: int, word_bytes: int, rank: int, world_size: int) -> int:
+    """Bytes rank ``rank`` sends in :func:`allreduce_sum_exact` of ``words`` elements: every slice but
+    its own to their reducers, then its reduced slice to each peer, ``(words + (p-2) c_r) * word_bytes``
+    (``c_r`` its slice): ``2 (p-1)/p * words * word_bytes`` on average over the ranks, like a ring."""
+    if world_size == 1:
+        return 0
+    own = exact_allreduce_chunks(words, world_size)[rank]
+    return (words - own + (world_size - 1) * own) * word_bytes
+
+
+def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
+                        collective: str) -> torch.Tensor:
+    """SUM over the ranks of a 1-D integer ``tensor``, as a reduce-scatter then an AllGather, each one
+    ``all_to_all_single`` of the raw bytes.
+
+    Integer sums are exact, so every rank gets the same tensor whatever the order of additions;
+    moving bytes lets any integer dtype travel (gloo has no int16 collectives); and every rank
+    talks to every peer, so a dead peer fails each survivor's own transfer at once (see
+    :func:`allgather_tensor`). Bytes sent: :func:`exact_allreduce_bytes`.
+
+    Args:
+        tensor: (m,) integer tensor, the same m and dtype on every rank; the sum must fit its dtype.
+
+    Returns:
+        (m,) the sum, same dtype and device.
+
+    Raises:
+        CollectiveError: a round failed (named ``"<collective> (reduce-scatter)"`` / ``"(allgather)"``).
+        ValueError: ``tensor`` is not a 1-D integer tensor.
+    """
+    if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"{what}: allreduce_sum_exact needs a 1-D integer tensor, got {tensor.dtype} "
+                         f"of shape {tuple(tensor.shape)}")
+    size, me = group_size(group), group_rank(group)
+    if size == 1:
+        return tensor.clone()
+    width = tensor.element_size()
+    chunks = exact_allreduce_chunks(tensor.numel(), size)
+    own = chunks[me]
+    sent_bytes = tensor.contiguous().view(torch.uint8)
+    received = torch.empty(size * own * width, dtype=torch.uint8, device=tensor.device)
+    work = dist.all_to_all_single(received, sent_bytes, output_split_sizes=[own * width] * size,
+                                  input_split_sizes=[c * width for c in chunks], group=group, async_op=True)
+    wait_checked(work, what, f"{collective} (reduce-scatter)")
+    reduced = received.view(tensor.dtype).reshape(size, own).sum(dim=0).to(tensor.dtype)
+    gathered = torch.empty(tensor.numel() * width, dtype=torch.uint8, device=tensor.device)
+    work = dist.all_to_all_single(gathered, reduced.view(torch.uint8).repeat(size),
+                                  output_split_sizes=[c * width for c in chunks],
+                                  input_split_sizes=[own * width] * size, group=group, async_op=True)
+    wait_checked(work, what, f"{collective} (allgather)")
+    return gathered.view(tensor.dtype)

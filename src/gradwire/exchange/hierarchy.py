@@ -130,11 +130,12 @@ def node_reduce_scatter(dense: torch.Tensor, hierarchy: Hierarchy) -> tuple[torc
 def hierarchical_sparse_allreduce(*, dense: torch.Tensor, k: int, hierarchy: Hierarchy,
                                   select: Callable[[torch.Tensor], torch.Tensor],
                                   boundaries: Optional[Sequence[int]] = None, codec: Optional[RegionCodec] = None,
-                                  summary_size: int = 256) -> HierarchicalResult:
+                                  summary_size: Optional[int] = None) -> HierarchicalResult:
     """See the module docstring. ``dense``: this rank's compensated gradient (flat float32, same
     length on every rank); ``select(shard_sum) -> int64 ascending positions`` in the shard;
     ``boundaries``: cross-node regions within this rank's shard (``nodes + 1`` ints; equal if None),
-    e.g. from :func:`.balanced_boundaries` over ``hierarchy.cross``. Blocking."""
+    e.g. from :func:`.balanced_boundaries` over ``hierarchy.cross``; ``summary_size``: the cross-node
+    sparse AllReduce's histogram bins per level (None: sized by the shard's k). Blocking."""
     if dense.dtype != torch.float32:
         raise ValueError(f"dense must be float32, got {dense.dtype}")
     numel = dense.numel()

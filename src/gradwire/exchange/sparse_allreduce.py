@@ -3,29 +3,42 @@
 Every rank brings a sparse contribution (its selected entries of its compensated gradient) over a
 flat space of ``numel`` positions, cut into ``p`` regions (:mod:`.regions`); rank j owns region j.
 
-1. **Reduce-scatter** (``all_to_all_single``, counts first): each rank sends the entries that fall
-   in region j to rank j, indices relative to the region start.
-2. **Reduce**: each owner sums what it received, in rank order (deterministic).
-3. **Agreed threshold**: each owner summarizes its reduced magnitudes in ``summary_size`` order
-   statistics (exact when the region has fewer entries); one AllGather of these fixed-size rows,
-   and every rank computes the same threshold ``t`` that leaves about ``k`` entries over all
-   regions (:func:`agreed_threshold`). No ``torch.topk``: ties at ``t`` all survive, on every rank.
-4. **AllGather** (``all_to_all_single`` with uneven sizes, lengths first): each owner sends the
+1. **Reduce-scatter** (:func:`.sparse_reduce_scatter`): each rank sends region j's entries to rank
+   j (counts first), and each owner sums what it received in rank order (deterministic).
+2. **Agreed threshold** (:mod:`.threshold_search`): each owner counts its reduced magnitudes in a
+   histogram of ``W`` bins over their float32 bit patterns (a log2 scale: ``W/256`` bins per octave
+   over the whole float32 range, or, given ``threshold_hint``, ``W - 2`` bins over ``[hint/2, 2
+   hint)`` and one on either side); one exact SUM AllReduce of the histograms, the first one led by
+   a fingerprint of the search's arguments and this rank's status words; every rank picks the same
+   bin from the same sums and, while that bin holds more than a small slack of entries beyond ``k``,
+   refines inside it with another histogram (typically none more with a good hint, one without).
+   The threshold ``t`` is the chosen bin's lower edge: the same bits on every rank. No
+   ``torch.topk``: ties at ``t`` all survive.
+3. **AllGather** (``all_to_all_single`` with uneven sizes, lengths first): each owner sends the
    entries of its region with ``|sum| >= t`` to everyone. Every rank, the owner included, uses the
-   *decoded* bytes, so the result is identical bit for bit on all ranks.
+   *decoded* bytes, so the result is identical bit for bit on all ranks. The lengths round also
+   carries each rank's ``t``, checked like the fingerprint: ranks that disagree all raise.
 
-**Volume per worker** (entries of ``e`` bytes; no overlap between ranks' supports, balanced
-regions): ``(p-1)/p * k`` in step 1 plus ``(p-1) * k/p`` in step 4, i.e. about ``2k(p-1)/p``
-entries, plus ``(p-1) * 4 (summary_size + 2)`` summary bytes and two tiny count rounds. An
-imbalanced region costs its owner up to ``(p-1) * k`` in step 4; :func:`.balanced_boundaries` keeps
-regions even. The exact bytes this rank handed to the collectives (its own share excluded) are in
-``SparseAllreduceResult.bytes_sent``.
+**Volume per worker**, ``e`` bytes per coded entry, disjoint supports, balanced regions, ``L``
+histogram levels of ``W`` counts of ``w`` bytes (``w`` = 2 up to ``numel`` 32767, 4 up to
+``2^31 - 1``, else 8)::
 
-**How many survive**: the count is ``k`` up to the summary's resolution. Per region the estimate
-of "entries ``>= t``" is exact when the region has at most ``summary_size`` entries and is off by
-less than one sample spacing, ``ceil((n_j - 1) / (summary_size - 1))``, otherwise; so the total is
-within ``k ± 2 * sum_j spacing_j`` (about ``2 N / summary_size``, ``N`` = the reduced support),
-plus entries tied with ``t``. ``k >= N`` keeps everything (density 1.0 equals a dense AllReduce).
+    (p-1)/p * k * e  +  8 (p-1)                       reduce-scatter: data, counts
+  + 2 (p-1)/p * w * (L W + 16 + 2 ceil(p / (8w - 1)))  histograms, fingerprint, two status bitmaps
+  + (p-1) * k/p * e  +  8 (p-1)                       AllGather: data, lengths (and thresholds)
+
+about ``2k(p-1)/p`` entries plus ``2 L W w`` bytes, whatever ``p`` (the histograms' part is flat in
+p but for one word per ``8w - 1`` ranks; the counts and lengths, 16 bytes per peer, are the only
+terms linear in p). ``W`` is ``k/128..k/64``, at least 64 (:func:`.histogram_bits`), so with ``L = 2``
+the histograms add at most 1/4 byte per kept entry for ``k >= 4096``. An imbalanced region costs its owner up to
+``(p-1) * k`` in step 3; :func:`.balanced_boundaries` keeps regions even. The exact bytes this rank
+handed to the collectives (its own share excluded) are in ``SparseAllreduceResult.sent_by_collective``
+(one ``"threshold histogram <l>"`` key per level; :func:`.exact_allreduce_bytes` gives each). Rounds:
+``(4 + 2L)(p-1)`` counted as in :mod:`.alphabeta` (each ``all_to_all_single`` ``p - 1``).
+
+**How many survive** (``N`` the reduced support): all ``N`` when ``k >= N``, none when ``k = 0``,
+else ``k <= survivors <= k + max(max(4, k // 32), T - 1)``, ``T`` the entries tied at the k-th
+largest magnitude: the result holds the exact top-k of the sum (density 1.0 equals a dense AllReduce).
 
 **Error feedback** (:meth:`SparseAllreduceResult.residual`): with ``c_r`` rank r's compensated
 gradient, ``s_r`` its contribution as the owners decoded it (``contributed``), ``S`` the surviving
@@ -35,44 +48,40 @@ on its region. Summed over ranks, ``sum_r residual_r = sum_r c_r - A``: whatever
 this step is in some rank's residual, so EF telescopes exactly (for lossless values ``carry`` is
 empty and ``A = sum_r s_r|S``).
 
-**Codecs**: the exchange knows none. A :class:`RegionCodec` adapter (from the hook) codes each
-region payload; without one, entries travel raw: int32 index relative to the region start (two
-int32 words when a region is 2^31 or more long) and the float32 value's bits, 8 (12) bytes each.
+**Codecs**: the exchange knows none; a :class:`.RegionCodec` adapter (from the hook) codes each
+region payload (:mod:`.region_payload`; raw entries without one).
 
 **Failures**: every collective is waited on and checked (:class:`.CollectiveError` names it); a
-payload an owner cannot decode, or a non-finite reduced value, is announced in the summary row, so
-every rank raises (:class:`~gradwire.errors.DecodeError`) or returns ``finite=False`` together.
+payload an owner cannot decode, or a non-finite reduced value, is announced in the status bitmaps
+of the first histogram, so every rank raises (:class:`~gradwire.errors.DecodeError`) or returns
+``finite=False`` together, after the same rounds. Ranks that passed different ``k``,
+``summary_size`` or ``threshold_hint`` see it in the fingerprint and all raise ``ValueError`` there,
+before they could run different numbers of levels (the hook passes the previous step's threshold,
+identical on every rank by construction).
 
 Blocking, on the caller's thread; every rank must call it in the same order with the same
-``numel``, ``k``, ``boundaries`` and ``summary_size``.
+``numel``, ``k``, ``boundaries``, ``summary_size`` and ``threshold_hint``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DecodeError
-from .checked import allgather_tensor, allgatherv, alltoallv, group_rank, group_size
+from .checked import allgatherv_tagged, allreduce_sum_exact, exact_allreduce_bytes, group_rank, group_size
+from .threshold_search import (FINGERPRINT_WORDS, KEYS, ThresholdSearch, count_dtype, fingerprints_agree,
+                               magnitude_keys)
+from .region_payload import RegionCodec, decode_region, encode_region, is_wide
 from .regions import check_boundaries
+from .sparse_reduce_scatter import RegionStatus, read_status_words, sparse_reduce_scatter, status_words
+
+__all__ = ["RegionCodec", "SparseAllreduceResult", "positions_in", "sparse_allreduce"]
 
 WHAT = "sparse_allreduce"
-#: Status in a summary row's count field: the owner could not decode a payload / saw NaN or Inf.
-_DECODE_FAILED, _NONFINITE = -1.0, -2.0
-
-
-class RegionCodec(Protocol):
-    """Codes one region payload. ``indices`` are int64, ascending, relative to the region start,
-    in ``[0, numel)``; ``values`` float32. ``encode`` returns the bytes and the values the receiver
-    will decode (same length as ``values``); ``decode`` must return exactly the encoded indices
-    (lossless indices; values may be lossy) and raise only ``DecodeError`` on bad bytes."""
-
-    def encode(self, *, indices: torch.Tensor, values: torch.Tensor, numel: int) -> tuple[bytes, torch.Tensor]: ...
-
-    def decode(self, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -114,80 +123,83 @@ class SparseAllreduceResult:
 
 def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int, k: int,
                      boundaries: Sequence[int], group: Optional[dist.ProcessGroup] = None,
-                     codec: Optional[RegionCodec] = None, summary_size: int = 256) -> SparseAllreduceResult:
+                     codec: Optional[RegionCodec] = None, summary_size: Optional[int] = None,
+                     threshold_hint: Optional[float] = None) -> SparseAllreduceResult:
     """Sum the ranks' sparse contributions and keep about ``k`` entries of the sum (see module doc).
 
-    ``indices`` (n,) int64 strictly ascending in ``[0, numel)``, ``values`` (n,) float32 (finite;
-    non-finite values make every rank return ``finite=False``). ``boundaries``: ``p + 1`` ints, the
-    same on every rank. ``summary_size`` >= 2: order statistics per region for the threshold.
+    Args:
+        indices: (n,) int64, strictly ascending in ``[0, numel)``.
+        values: (n,) float32 (non-finite values make every rank return ``finite=False``).
+        numel: positions in the flat space.
+        k: entries to keep, >= 0 (the count bound is in the module doc).
+        boundaries: ``p + 1`` ints, the same on every rank (:mod:`.regions`).
+        group: the process group (None: the default one; none initialized: a world of one).
+        codec: codes the region payloads (None: raw 8-byte entries).
+        summary_size: histogram bins per level, a power of two in 4..4096 (None: sized by ``k``,
+            :func:`.histogram_bits`).
+        threshold_hint: where the threshold is likely to be, e.g. the previous step's ``threshold``
+            for the same tensors; the first histogram then resolves ``[hint/2, 2 hint)`` finely and
+            typically settles it in one level. Any value is safe (a bad one costs one more level;
+            non-finite or <= 0: none), but it must be the same on every rank (checked: see Raises).
+
+    Returns:
+        :class:`SparseAllreduceResult`, the same ``indices``/``values``/``threshold`` on every rank.
+
+    Raises:
+        ValueError: bad arguments (before any collective, alike on ranks that pass the same ones).
+        DecodeError: some owner could not decode a payload (on every rank, naming the owners).
+        ValueError: the ranks passed different ``k``, ``summary_size`` or ``threshold_hint`` (seen in
+            the first histogram round's fingerprint, or as different thresholds in the AllGather's
+            lengths round: on every rank, before the data moves).
+        CollectiveError: a collective failed (on every surviving rank).
     """
     size, me = group_size(group), group_rank(group)
-    if me < 0:
-        raise ValueError(f"{WHAT}: this rank is not a member of the group it was given")
     bounds = check_boundaries(boundaries, numel, size)
-    _check_input(indices, values, numel, k, summary_size)
+    search = ThresholdSearch.start(k, summary_size, threshold_hint)
+    scattered = sparse_reduce_scatter(indices=indices, values=values, numel=numel, boundaries=bounds, group=group,
+                                      codec=codec, what=WHAT)
+    sent = dict(scattered.sent_by_collective)
     device = values.device
-    starts = torch.tensor(bounds, dtype=torch.int64, device=device)
-    region_lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    wide = max(region_lengths, default=0) >= 2**31
-    sent: dict[str, int] = {}
+    keys = (magnitude_keys(scattered.values) if scattered.status is RegionStatus.OK
+            else torch.empty(0, dtype=torch.int64, device=device))
 
-    # 1. reduce-scatter: region j's entries (relative indices) to rank j
-    cuts = torch.searchsorted(indices, starts).tolist()
-    counts = [b - a for a, b in zip(cuts, cuts[1:])]
-    relative = indices - torch.repeat_interleave(starts[:-1], torch.tensor(counts, device=device))
-    payloads, contributed = [], []
-    for j in range(size):
-        data, reconstructed = _encode(codec, relative[cuts[j]:cuts[j + 1]], values[cuts[j]:cuts[j + 1]],
-                                      region_lengths[j], wide)
-        payloads.append(data)
-        contributed.append(reconstructed)
-    send_counts = [p.numel() for p in payloads]
-    received, recv_counts = alltoallv(torch.cat(payloads), send_counts, group, what=WHAT,
-                                      collective="reduce-scatter all_to_all_single")
-    sent["reduce-scatter counts"] = 8 * (size - 1)
-    sent["reduce-scatter"] = sum(send_counts) - send_counts[me]
-
-    # 2. reduce this rank's region, in rank order
-    own_length = region_lengths[me]
-    status, error = 0.0, None
-    try:
-        pieces = [_decode(codec, chunk, own_length, wide, f"rank {src}'s contribution")
-                  for src, chunk in enumerate(torch.split(received, recv_counts))]
-        region_indices, sums = _reduce(pieces)
-        if not bool(torch.isfinite(sums).all()):
-            status = _NONFINITE
-    except DecodeError as caught:
-        status, error = _DECODE_FAILED, caught
-        region_indices = torch.empty(0, dtype=torch.int64, device=device)
-        sums = torch.empty(0, dtype=torch.float32, device=device)
-
-    # 3. agree on a threshold from every region's summary
-    summary = _to_wire(region_summary(sums.abs(), summary_size, status=status)).to(device)
-    rows = _from_wire(allgather_tensor(summary, group, what=WHAT, collective="summary all_gather").cpu())
-    sent["summary"] = (size - 1) * summary.numel() * 4
-    statuses = rows[:, 0]
-    if bool((statuses == _DECODE_FAILED).any()):
-        failed = (statuses == _DECODE_FAILED).nonzero().reshape(-1).tolist()
-        raise DecodeError(f"{WHAT}: rank(s) {failed} could not decode a region payload"
+    # 2. agree on a threshold; the arguments' fingerprint and the status bitmaps ride on level 1
+    dtype = count_dtype(numel)
+    head = torch.cat([search.fingerprint_words(dtype), status_words(scattered.status, me, size, dtype)]).to(device)
+    summed = _allreduce(torch.cat([head, search.local_counts(keys).to(dtype)]), group, 1, sent)
+    if not fingerprints_agree(summed[:FINGERPRINT_WORDS], size):
+        raise ValueError(f"{WHAT}: the ranks started different threshold searches: every rank must pass the "
+                         "same k, summary_size and threshold_hint")
+    status = read_status_words(summed[FINGERPRINT_WORDS:head.numel()], size)
+    if status.decode_failed:
+        error = scattered.error
+        raise DecodeError(f"{WHAT}: rank(s) {list(status.decode_failed)} could not decode a region payload"
                           + (f" ({error})" if error else "")) from error
-    if bool((statuses == _NONFINITE).any()):
+    if status.nonfinite:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return SparseAllreduceResult(empty, torch.empty(0, device=device), torch.zeros_like(indices, dtype=torch.bool),
-                                     torch.cat(contributed), empty, torch.empty(0, device=device),
+                                     scattered.contributed, empty, torch.empty(0, device=device),
                                      float("nan"), False, sent)
-    threshold = agreed_threshold(rows, k)
+    search = search.refine(summed[head.numel():])
+    while not search.done:
+        search = search.refine(_allreduce(search.local_counts(keys).to(dtype), group, search.level + 1, sent))
 
-    # 4. allgather the surviving entries of every region; everyone uses the decoded bytes
-    keep = sums.abs().double() >= threshold
-    kept_indices, kept_sums = region_indices[keep], sums[keep]
-    data, _ = _encode(codec, kept_indices, kept_sums, own_length, wide)
-    gathered, lengths = allgatherv(data, group, what=WHAT, collective="allgather all_to_all_single")
+    # 3. allgather the surviving entries of every region; everyone uses the decoded bytes
+    keep = keys >= search.threshold_key
+    kept_indices, kept_sums = scattered.indices[keep], scattered.values[keep]
+    wide = is_wide(bounds)
+    data, _ = encode_region(codec, kept_indices, kept_sums, scattered.length, wide)
+    tag = min(search.threshold_key, KEYS - 1)  # "none" and the NaN patterns alike: nothing finite is kept
+    gathered, lengths, tags = allgatherv_tagged(data, tag, group, what=WHAT, collective="allgather all_to_all_single")
+    if len(set(tags)) > 1:
+        raise ValueError(f"{WHAT}: the ranks agreed on different thresholds (keys {sorted(set(tags))}): "
+                         "every rank must pass the same k, summary_size and threshold_hint")
     sent["allgather lengths"] = 8 * (size - 1)
     sent["allgather"] = data.numel() * (size - 1)
     out_indices, out_values = [], []
-    for owner, chunk in enumerate(torch.split(gathered, lengths)):
-        rel, vals = _decode(codec, chunk, region_lengths[owner], wide, f"rank {owner}'s region")
+    for owner, chunk in enumerate(torch.split(gathered, lengths)):  # one payload per owner
+        rel, vals = decode_region(codec, chunk, bounds[owner + 1] - bounds[owner], wide,
+                                  f"{WHAT}: rank {owner}'s region")
         out_indices.append(rel + bounds[owner])
         out_values.append(vals)
         if owner == me:
@@ -198,10 +210,18 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
     carry_values = torch.empty(0, dtype=torch.float32, device=device)
     if codec is not None:
         changed = own_applied != kept_sums
-        carry_indices = kept_indices[changed] + bounds[me]
+        carry_indices = kept_indices[changed] + scattered.start
         carry_values = (kept_sums - own_applied)[changed]
     return SparseAllreduceResult(result_indices, result_values, positions_in(indices, result_indices),
-                                 torch.cat(contributed), carry_indices, carry_values, threshold, True, sent)
+                                 scattered.contributed, carry_indices, carry_values, search.threshold, True, sent)
+
+
+def _allreduce(words: torch.Tensor, group: Optional[dist.ProcessGroup], level: int,
+               sent: dict[str, int]) -> torch.Tensor:
+    """One exact SUM of a level's words over the ranks, its bytes booked under the level's name."""
+    name = f"threshold histogram {level}"
+    sent[name] = exact_allreduce_bytes(words.numel(), words.element_size(), group_rank(group), group_size(group))
+    return allreduce_sum_exact(words, group, what=WHAT, collective=f"{name} all_to_all_single")
 
 
 def positions_in(needles: torch.Tensor, haystack: torch.Tensor) -> torch.Tensor:
@@ -210,150 +230,3 @@ def positions_in(needles: torch.Tensor, haystack: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(needles, dtype=torch.bool)
     where = torch.searchsorted(haystack, needles).clamp(max=haystack.numel() - 1)
     return haystack[where] == needles
-
-
-def region_summary(magnitudes: torch.Tensor, size: int, *, status: float = 0.0) -> torch.Tensor:
-    """One summary row (float64, ``size + 1``): ``[n, q_0 >= q_1 >= ... ]`` where ``q_i`` is the
-    magnitude at descending rank ``i * (n-1) // (size-1)`` (all magnitudes when ``n <= size``),
-    padded with -1. A negative ``status`` replaces ``n`` to flag a failed region."""
-    row = torch.full((size + 1,), -1.0, dtype=torch.float64)
-    n = magnitudes.numel()
-    row[0] = status if status else float(n)
-    if n and not status:
-        ordered = torch.sort(magnitudes.float(), descending=True).values.cpu().double()
-        row[1:1 + min(n, size)] = ordered if n <= size else ordered[_sample_ranks(n, size)]
-    return row
-
-
-def _to_wire(row: torch.Tensor) -> torch.Tensor:
-    """A summary row as int32 words: the count (int64, 2 words), then the float32 magnitudes' bits
-    (the magnitudes are float32 sums, so nothing is lost; half the bytes of float64)."""
-    count = torch.tensor([int(row[0])], dtype=torch.int64).view(torch.int32)
-    return torch.cat([count, row[1:].float().view(torch.int32)])
-
-
-def _from_wire(words: torch.Tensor) -> torch.Tensor:
-    """Gathered wire rows ``(p, size + 2)`` int32 back to float64 summary rows ``(p, size + 1)``."""
-    counts = words[:, :2].reshape(-1).view(torch.int64).double()
-    return torch.cat([counts[:, None], words[:, 2:].contiguous().view(torch.float32).double()], dim=1)
-
-
-def _sample_ranks(n: int, size: int) -> torch.Tensor:
-    return torch.arange(size, dtype=torch.int64) * (n - 1) // (size - 1)
-
-
-def agreed_threshold(rows: torch.Tensor, k: int) -> float:
-    """The magnitude threshold leaving about ``k`` entries, from the gathered summary rows
-    (``(p, size + 1)`` float64, see :func:`region_summary`). A pure function of ``rows`` and ``k``:
-    every rank computes the same value. ``-inf`` keeps everything (``k >= N``), ``inf`` nothing.
-
-    Per region, "entries ``>= t``" is read off the order statistics, interpolated linearly in
-    magnitude between samples; the threshold is then interpolated between the two adjacent sample
-    values whose estimated totals bracket ``k``.
-    """
-    counts = rows[:, 0].to(torch.int64)
-    total = int(counts.sum())
-    if k >= total:
-        return float("-inf")
-    if k <= 0:
-        return float("inf")
-    size = rows.shape[1] - 1
-    kept = counts.clamp(max=size)
-    valid = torch.arange(size)[None, :] < kept[:, None]
-    samples = torch.where(valid, rows[:, 1:], torch.tensor(float("-inf"), dtype=torch.float64))
-    big = counts > size
-    ranks = torch.where(big[:, None], torch.arange(size)[None, :] * (counts[:, None] - 1).clamp(min=0) // max(size - 1, 1),
-                        torch.arange(size)[None, :]).double()
-    last = (kept - 1).clamp(min=0)
-
-    def estimate(t: float) -> float:
-        above = (samples >= t).sum(dim=1)  # samples are descending: the first `above` are >= t
-        lo = (above - 1).clamp(min=0).minimum(last)[:, None]
-        hi = above.minimum(last)[:, None]
-        m_lo, m_hi = samples.gather(1, lo)[:, 0], samples.gather(1, hi)[:, 0]
-        r_lo, r_hi = ranks.gather(1, lo)[:, 0], ranks.gather(1, hi)[:, 0]
-        gap = m_lo - m_hi
-        fraction = torch.where(gap > 0, (m_lo - t) / torch.where(gap > 0, gap, 1.0), torch.zeros_like(gap))
-        inside = r_lo + 1 + fraction * (r_hi - r_lo - 1)
-        per_region = torch.where(above == 0, torch.zeros_like(inside),
-                                 torch.where(above >= kept, counts.double(), inside))
-        return float(per_region.sum())
-
-    candidates = torch.unique(samples[valid]).flip(0).tolist()  # descending
-    low, high = 0, len(candidates) - 1  # estimate(candidates[-1]) == total > k
-    while low < high:  # first candidate whose estimate reaches k
-        middle = (low + high) // 2
-        if estimate(candidates[middle]) >= k:
-            high = middle
-        else:
-            low = middle + 1
-    t = candidates[low]
-    if low == 0:
-        return t
-    above, below = estimate(t), estimate(candidates[low - 1])
-    return t + (candidates[low - 1] - t) * (above - k) / (above - below) if above > below else t
-
-
-def _check_input(indices: torch.Tensor, values: torch.Tensor, numel: int, k: int, summary_size: int) -> None:
-    if indices.dtype != torch.int64 or indices.dim() != 1:
-        raise ValueError(f"indices must be a 1-D int64 tensor, got {indices.dtype} of shape {tuple(indices.shape)}")
-    if values.dtype != torch.float32 or values.shape != indices.shape:
-        raise ValueError(f"values must be float32 with the shape of indices, got {values.dtype} {tuple(values.shape)}")
-    if k < 0 or summary_size < 2:
-        raise ValueError(f"k={k} must be >= 0 and summary_size={summary_size} >= 2")
-    if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel
-                            or not bool((indices[1:] > indices[:-1]).all())):
-        raise ValueError(f"indices must be strictly ascending in [0, numel={numel})")
-
-
-def _encode(codec: Optional[RegionCodec], relative: torch.Tensor, values: torch.Tensor, length: int,
-            wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One region payload as a uint8 tensor (on ``values``' device) and the values it decodes to.
-    Nothing to send is zero bytes, whatever the codec."""
-    if relative.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=values.device), values
-    if codec is None:
-        words = relative.view(torch.int32).reshape(-1, 2) if wide else relative.to(torch.int32)[:, None]
-        packed = torch.cat([words, values.contiguous().view(torch.int32)[:, None]], dim=1)
-        return packed.reshape(-1).view(torch.uint8), values
-    data, reconstructed = codec.encode(indices=relative, values=values, numel=length)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(values.device)
-    return payload, reconstructed.to(device=values.device, dtype=torch.float32)
-
-
-def _decode(codec: Optional[RegionCodec], chunk: torch.Tensor, length: int, wide: bool,
-            what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Relative indices and values of one payload, checked: ascending, inside the region."""
-    if chunk.numel() == 0:
-        return (torch.empty(0, dtype=torch.int64, device=chunk.device),
-                torch.empty(0, dtype=torch.float32, device=chunk.device))
-    if codec is None:
-        entry = 12 if wide else 8
-        if chunk.numel() % entry:
-            raise DecodeError(f"{WHAT}: {what} has {chunk.numel()} bytes, not a multiple of {entry}")
-        words = chunk.clone().view(torch.int32).reshape(-1, entry // 4)
-        relative = words[:, :2].reshape(-1).view(torch.int64) if wide else words[:, 0].to(torch.int64)
-        values = words[:, -1].contiguous().view(torch.float32)
-    else:
-        relative, values = codec.decode(chunk.cpu().numpy().tobytes(), length)
-        relative = relative.to(device=chunk.device, dtype=torch.int64).reshape(-1)
-        values = values.to(device=chunk.device, dtype=torch.float32).reshape(-1)
-    if relative.numel() != values.numel() or (relative.numel() and (
-            int(relative[0]) < 0 or int(relative[-1]) >= length or not bool((relative[1:] > relative[:-1]).all()))):
-        raise DecodeError(f"{WHAT}: {what} has indices outside [0, {length}) or not strictly ascending")
-    return relative, values
-
-
-def _reduce(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Union of the pieces' positions (ascending) and the sums of their values, added in the
-    pieces' order (each piece's positions are distinct, so every addition is a plain, ordered
-    read-add-write: the same bits on any device, run after run)."""
-    everything = torch.cat([rel for rel, _ in pieces])
-    positions, inverse = torch.unique(everything, sorted=True, return_inverse=True)
-    sums = torch.zeros(positions.numel(), dtype=torch.float32, device=everything.device)
-    offset = 0
-    for rel, vals in pieces:
-        slots = inverse[offset: offset + rel.numel()]
-        sums[slots] = sums[slots] + vals
-        offset += rel.numel()
-    return positions, sums

@@ -48,7 +48,9 @@ class SparseAllReduce(ExchangeStrategy):
     2. ``exchange.sparse_allreduce``: a sparse reduce-scatter by index region (regions balanced
        from the ranks' selected positions, refreshed every ``REGION_REFRESH_STEPS`` steps), each
        owner sums its region, every rank derives the same threshold leaving about ``k`` entries
-       (``group.k``: the sum of the sparsifier's per-parameter targets), then an AllGather of the reduced regions,
+       (``group.k``: the sum of the sparsifier's per-parameter targets; the layout's previous
+       threshold is the hint that usually settles it in one histogram round), then an AllGather
+       of the reduced regions,
        DeepReduce-coded. About ``2k`` entries per worker, whatever the number of workers;
     3. write the average; each rank's residual is its compensated gradient minus what of its own
        contribution survived the second selection (plus, for lossy values, the owner's coding
@@ -62,9 +64,12 @@ class SparseAllReduce(ExchangeStrategy):
         super().__init__(context)
         self.codec = RegionCodecAdapter(index_codec=context.index_codec, value_codec=context.value_codec)
         self._regions: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+        #: the last agreed threshold per layout (the same on every rank): the next step's hint
+        self._thresholds: dict[tuple[int, ...], float] = {}
 
     def reset(self) -> None:
         self._regions = {}
+        self._thresholds = {}
 
     def start(self, group: Group) -> Exchange:
         run_guarded(group, lambda: self._run(group))
@@ -80,14 +85,18 @@ class SparseAllReduce(ExchangeStrategy):
                 values = torch.full((1,), float("nan"), device=group.device)
         boundaries = self._boundaries(group, positions)
         self.codec.error = None
+        signature = group.signature()
         try:
             result = sparse_allreduce(indices=positions, values=values, numel=group.numel,
                                       k=k if k is not None else group.numel, boundaries=boundaries,
-                                      group=context.process_group, codec=self.codec)
+                                      group=context.process_group, codec=self.codec,
+                                      threshold_hint=self._thresholds.get(signature))
         except (DecodeError, CollectiveError) as error:
             raise (self.codec.error or error)
         except RuntimeError as error:
             raise collective_failed("sparse AllReduce", context.step, error) from error
+        if result.finite:  # every rank returned the same threshold, or raised: the hints stay alike
+            self._thresholds[signature] = result.threshold
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_sparse_allreduce_buckets", 1)
         with context.stats.timer("decode"):

@@ -1,0 +1,214 @@
+"""Sparse reduce-scatter by index region: each owner gets the rank-order sum of its region.
+
+Every rank brings a sparse contribution over a flat space of ``numel`` positions, cut by the
+caller's ``boundaries`` (``p + 1`` ints, :mod:`.regions`) into ``p`` regions; rank j owns region j
+(for the sparse AllReduce, balanced regions; for a sharded front-end, its shards).
+
+1. **Scatter** (``all_to_all_single``, counts first): each rank sends the entries that fall in
+   region j to rank j, coded by the optional :class:`~.region_payload.RegionCodec` (raw entries
+   without one), indices relative to the region start.
+2. **Reduce**: each owner decodes what it received and sums it in rank order: the same bits on
+   any device, run after run, whatever the arrival order.
+
+**Bytes** this rank sends (``sent_by_collective``): ``8 (p-1)`` for the counts, then its coded
+entries outside its own region, about ``(p-1)/p * n`` entries for ``n`` spread evenly.
+
+**Failures and the verdict.** A collective that fails raises :class:`.CollectiveError` on every
+survivor (:mod:`.checked`). A payload this owner cannot decode, or a non-finite sum, does *not*
+raise: it comes back as the :class:`RegionStatus` of this rank alone, after every collective of
+the call has completed, so no peer is left waiting. Peers may hold other statuses; before acting
+on one, the ranks must agree: :func:`agree_status` runs one small exact AllReduce of
+:func:`status_words` (two bitmaps of ranks), and a caller that runs a SUM AllReduce of integers
+anyway can append the same words to it, as :func:`.sparse_allreduce` does to its first histogram.
+
+Blocking, on the caller's thread; every rank must call it in the same order with the same
+``numel`` and ``boundaries``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DecodeError
+from .checked import allreduce_sum_exact, alltoallv, group_rank, group_size
+from .region_payload import RegionCodec, decode_region, encode_region, is_wide
+from .regions import check_boundaries
+
+WHAT = "sparse_reduce_scatter"
+
+
+class RegionStatus(enum.Enum):
+    """What one owner found in its region."""
+
+    OK = "ok"
+    DECODE_FAILED = "decode failed"  #: some peer's payload did not decode (the sums are empty)
+    NONFINITE = "non-finite"  #: some sum is NaN or Inf
+
+
+@dataclass(frozen=True)
+class SparseReduceScatterResult:
+    """This rank's region, reduced, and what it contributed.
+
+    ``indices`` (m,) int64, strictly ascending, **relative to** ``start`` (this rank's region is
+    ``[start, start + length)``; add ``start`` for positions in the flat space). ``values`` (m,)
+    float32: the rank-order sums (NaN/Inf possible when ``status`` is NONFINITE; empty when
+    DECODE_FAILED). ``contributed`` (n,) float32: this rank's input values as their owners decode
+    them (the input itself for raw entries; for error feedback). ``status``/``error``: this rank's
+    verdict alone and the DecodeError behind DECODE_FAILED (see the module doc: agree before acting).
+    ``sent_by_collective``: bytes this rank handed to each collective for its peers.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    start: int
+    length: int
+    contributed: torch.Tensor
+    status: RegionStatus
+    error: Optional[DecodeError] = None
+    sent_by_collective: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(self.sent_by_collective.values())
+
+
+def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel: int, boundaries: Sequence[int],
+                          group: Optional[dist.ProcessGroup] = None, codec: Optional[RegionCodec] = None,
+                          what: str = WHAT) -> SparseReduceScatterResult:
+    """Send each region's entries to its owner; return this rank's region summed in rank order.
+
+    Args:
+        indices: (n,) int64, strictly ascending in ``[0, numel)``.
+        values: (n,) float32 (non-finite values give status NONFINITE, not an exception).
+        numel: positions in the flat space.
+        boundaries: ``p + 1`` ints, ``0 = b[0] <= ... <= b[p] = numel``, the same on every rank.
+        group: the process group (None: the default one; no group initialized: a world of one).
+        codec: codes the region payloads (None: raw entries).
+        what: names the caller in error messages.
+
+    Returns:
+        :class:`SparseReduceScatterResult`.
+
+    Raises:
+        ValueError: bad arguments (this rank only: every rank passing the same ``numel`` and
+            ``boundaries`` fails alike, before any collective).
+        CollectiveError: a collective failed (on every surviving rank).
+    """
+    size, me = group_size(group), group_rank(group)
+    if me < 0:
+        raise ValueError(f"{what}: this rank is not a member of the group it was given")
+    bounds = check_boundaries(boundaries, numel, size)
+    check_contribution(indices, values, numel)
+    device = values.device
+    starts = torch.tensor(bounds, dtype=torch.int64, device=device)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    wide = is_wide(bounds)
+
+    cuts = torch.searchsorted(indices, starts).tolist()
+    counts = [b - a for a, b in zip(cuts, cuts[1:])]
+    relative = indices - torch.repeat_interleave(starts[:-1], torch.tensor(counts, device=device))
+    payloads, contributed = [], []
+    for j in range(size):  # one payload per owner; the entries inside are handled as tensors
+        data, decoded = encode_region(codec, relative[cuts[j]:cuts[j + 1]], values[cuts[j]:cuts[j + 1]],
+                                      lengths[j], wide)
+        payloads.append(data)
+        contributed.append(decoded)
+    send_counts = [p.numel() for p in payloads]
+    received, recv_counts = alltoallv(torch.cat(payloads), send_counts, group, what=what,
+                                      collective="reduce-scatter all_to_all_single")
+    sent = {"reduce-scatter counts": 8 * (size - 1), "reduce-scatter": sum(send_counts) - send_counts[me]}
+
+    status, error = RegionStatus.OK, None
+    try:
+        pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
+                  for src, chunk in enumerate(torch.split(received, recv_counts))]
+        region_indices, sums = _reduce(pieces, device)
+        if not bool(torch.isfinite(sums).all()):
+            status = RegionStatus.NONFINITE
+    except DecodeError as caught:
+        status, error = RegionStatus.DECODE_FAILED, caught
+        region_indices = torch.empty(0, dtype=torch.int64, device=device)
+        sums = torch.empty(0, dtype=torch.float32, device=device)
+    return SparseReduceScatterResult(region_indices, sums, bounds[me], lengths[me], torch.cat(contributed),
+                                     status, error, sent)
+
+
+@dataclass(frozen=True)
+class AgreedStatus:
+    """The ranks whose region failed to decode / held a non-finite sum, the same on every rank."""
+
+    decode_failed: tuple[int, ...]
+    nonfinite: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.decode_failed and not self.nonfinite
+
+
+def status_words(status: RegionStatus, rank: int, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's status as ``2 * ceil(p / (bits - 1))`` integer words of ``dtype`` (``bits`` its
+    width): a bitmap of the ranks whose decode failed, then one of the ranks that saw a non-finite
+    sum, bit ``r % (bits-1)`` of word ``r // (bits-1)`` for rank r (the sign bit unused). Each rank
+    sets only its own bit, so a SUM over the ranks is their OR, exact, and never overflows."""
+    per_word = torch.iinfo(dtype).bits - 1
+    words = torch.zeros(2, -(-world_size // per_word), dtype=dtype)
+    if status is not RegionStatus.OK:
+        words[0 if status is RegionStatus.DECODE_FAILED else 1, rank // per_word] = 1 << (rank % per_word)
+    return words.reshape(-1)
+
+
+def read_status_words(words: torch.Tensor, world_size: int) -> AgreedStatus:
+    """The summed :func:`status_words` of every rank back to the ranks named in each bitmap."""
+    per_word = torch.iinfo(words.dtype).bits - 1
+    bits = (words.cpu().to(torch.int64).reshape(2, -1, 1) >> torch.arange(per_word)) & 1
+    named = bits.reshape(2, -1)[:, :world_size]
+    return AgreedStatus(*(tuple(row.nonzero().reshape(-1).tolist()) for row in named))
+
+
+def agree_status(status: RegionStatus, group: Optional[dist.ProcessGroup] = None, *,
+                 device: Optional[torch.device] = None, what: str = WHAT) -> AgreedStatus:
+    """Every rank's :class:`RegionStatus`, agreed: one exact SUM AllReduce
+    (:func:`.allreduce_sum_exact`) of :func:`status_words`, int32, ``2 ceil(p/31)`` words, about
+    ``16 ceil(p/31)`` bytes sent per rank. ``device``: where the words travel (a CUDA device for
+    NCCL; default the CPU).
+
+    Raises:
+        CollectiveError: the round failed.
+    """
+    size = group_size(group)
+    words = status_words(status, group_rank(group), size, torch.int32).to(device or "cpu")
+    return read_status_words(allreduce_sum_exact(words, group, what=what, collective="status all_reduce"), size)
+
+
+def check_contribution(indices: torch.Tensor, values: torch.Tensor, numel: int) -> None:
+    """``ValueError`` unless ``indices`` is (n,) int64 strictly ascending in ``[0, numel)`` and
+    ``values`` (n,) float32."""
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        raise ValueError(f"indices must be a 1-D int64 tensor, got {indices.dtype} of shape {tuple(indices.shape)}")
+    if values.dtype != torch.float32 or values.shape != indices.shape:
+        raise ValueError(f"values must be float32 with the shape of indices, got {values.dtype} {tuple(values.shape)}")
+    if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel
+                            or not bool((indices[1:] > indices[:-1]).all())):
+        raise ValueError(f"indices must be strictly ascending in [0, numel={numel})")
+
+
+def _reduce(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Union of the pieces' positions (ascending) and the sums of their values, added in the
+    pieces' order (each piece's positions are distinct, so every addition is a plain, ordered
+    read-add-write: the same bits on any device, run after run)."""
+    if not pieces:
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float32, device=device)
+    everything = torch.cat([rel for rel, _ in pieces])
+    positions, inverse = torch.unique(everything, sorted=True, return_inverse=True)
+    sums = torch.zeros(positions.numel(), dtype=torch.float32, device=everything.device)
+    offset = 0
+    for rel, vals in pieces:  # one pass per source rank, in rank order
+        slots = inverse[offset: offset + rel.numel()]
+        sums[slots] = sums[slots] + vals
+        offset += rel.numel()
+    return positions, sums
