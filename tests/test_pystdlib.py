@@ -9,6 +9,7 @@ import torch
 
 from gradwire.harness import pystdlib as corpus
 from gradwire.harness.pystdlib import is_held_out, pystdlib, stdlib_files
+from gradwire.harness.workloads import ByteWindows, build_workload, parse_data
 
 
 def _write(root, relative: str, text: str) -> None:
@@ -64,3 +65,26 @@ def test_the_real_library_loads_fast_deterministically_and_never_overlaps() -> N
     other = pystdlib.__wrapped__(max_bytes=1 << 20, held_out_bytes=1 << 16)
     assert other.fingerprint != first.fingerprint  # the fingerprint covers the sizes
     assert first.info()["fingerprint"] == first.fingerprint and first.info()["train_bytes"] == 8 * 1024 * 1024
+
+
+def test_the_lm_workload_windows_every_next_byte_and_evaluates_the_whole_held_out_split() -> None:
+    workload = build_workload("gpt", "pystdlib:max_bytes=65536,held_out_bytes=8192",
+                              model_options={"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32})
+    text = pystdlib(max_bytes=65536, held_out_bytes=8192)
+    assert workload.metric == "loss" and workload.info["fingerprint"] == text.fingerprint
+    assert (len(workload.train), len(workload.test)) == (65535 // 128, 8191 // 128)
+    inputs, targets = workload.test[3]
+    assert inputs.dtype == torch.int64 and inputs.shape == (128,)
+    assert torch.equal(inputs, text.held_out[384:512].long()) and torch.equal(targets, text.held_out[385:513].long())
+    windows = ByteWindows(torch.arange(10, dtype=torch.uint8), 4)
+    assert len(windows) == 2 and windows[1][1].tolist() == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("data, message", [
+    ("pystdlib:colour=1", "'colour=1' is not an option; allowed: max_bytes=N"),
+    ("pystdlib:max_bytes=lots", "max_bytes='lots' is not an integer"),
+    ("synthetic:max_bytes=1", "synthetic takes no options"),
+])
+def test_bad_data_options_name_the_problem(data: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_data(data)
