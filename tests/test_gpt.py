@@ -1,4 +1,4 @@
-"""The byte-level GPT: its size, causality, seeded init, and Pufferfish factorization."""
+"""The byte-level GPT: its size, causality, seeded init, Pufferfish factorization, and that it learns."""
 
 from __future__ import annotations
 
@@ -59,3 +59,15 @@ def test_pufferfish_factorizes_every_block_but_the_first() -> None:
     assert factorized == {f"blocks.{i}.{name}" for i in (1, 2, 3) for name in ("attn.qkv", "attn.proj", "fc1", "fc2")}
     assert _count(small) < 0.6 * _count(model)
     assert small(model.example_input(2)).shape == (2, 128, 256)
+
+
+def test_the_workload_learns_in_30_steps() -> None:
+    from gradwire.harness.simulate import simulate
+    from gradwire.harness.workloads import build_workload
+
+    workload = build_workload("gpt", "pystdlib:max_bytes=131072,held_out_bytes=8192", model_options=TINY)
+    result = simulate(1, 30, batch_size=8, lr=1e-2, eval_every=30, workload=workload)
+    initial, final = result.evaluations[0]["held_out_loss"], result.held_out_loss
+    assert abs(initial - torch.log(torch.tensor(256.0)).item()) < 0.1  # ~uniform over bytes at init
+    assert final < initial - 1.5, result.evaluations
+    assert sum(result.train_loss[-5:]) / 5 < sum(result.train_loss[:5]) / 5 - 1.0
