@@ -106,6 +106,34 @@ def test_steps_counts_total_steps_lines_per_epoch_and_json_after_each_method(tmp
     assert stderr.splitlines()[0].startswith("gradwire train: 2 local workers")  # says something at once
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_language_model_trains_with_adamw_and_reports_held_out_loss(tmp_path) -> None:
+    from gradwire.harness.pystdlib import pystdlib
+
+    data = "pystdlib:max_bytes=65536,held_out_bytes=4096"
+    methods = ["allreduce", "topk:density=0.05,values=fp16,indices=rice"]
+    command = [sys.executable, "-m", "gradwire", "train", "--model", "gpt", "--data", data, "--optimizer", "adamw",
+               "--workers", "2", "--batch-size", "4", "--steps", "2", "--json", str(tmp_path / "s.json"),
+               "--timeout", "100", *[arg for m in methods for arg in ("--method", m)]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = json.loads((tmp_path / "s.json").read_text())
+    assert [s["method"] for s in summaries] == methods
+    fingerprint = pystdlib(max_bytes=65536, held_out_bytes=4096).fingerprint
+    for summary in summaries:
+        assert summary["status"] == "ok" and summary["steps"] == 2 and summary["metric"] == "loss"
+        assert summary["data"]["fingerprint"] == fingerprint and summary["parameters"] == 509_248
+        # 2 AdamW steps from ~ln(256) = 5.55 nats per byte: lower, and measured (not NaN)
+        assert 3.0 < summary["held_out_loss"] < 5.5 and summary["held_out_loss"] == summary["test_loss"]
+        config = summary["config"]
+        assert (config["optimizer"], config["lr"], config["weight_decay"]) == ("adamw", 2e-3, 0.01)
+    assert summaries[1]["bytes_per_step"] < summaries[0]["bytes_per_step"] / 5
+    header = next(line for line in result.stdout.splitlines() if line.startswith("method"))
+    assert "held-out nats/byte ↓" in header and "test acc" not in header
+    assert fingerprint in result.stdout
+
+
 BAD_OPTIONS = [
     (["--method", "topk:density=2"], "density=2.0 must be in (0, 1]"),
     (["--method", "topk:values=fp17"], "value_codec='fp17' is not supported; allowed:"),
@@ -126,6 +154,11 @@ BAD_OPTIONS = [
     (["--epochs", "0"], "--epochs=0 must be >= 1"),
     (["--nodes", "2"], "--nodes needs --cluster"),
     (["--show", "/nonexistent/s.json"], "cannot be read"),
+    (["--optimizer", "adam"], "--optimizer='adam' is not supported; allowed: sgd, adamw"),
+    (["--optimizer", "adamw", "--lr", "0"], "--lr=0.0 must be > 0"),
+    (["--weight-decay", "-1"], "--weight-decay=-1.0 must be >= 0"),
+    (["--model", "gpt", "--data", "pystdlib:colour=1"], "'colour=1' is not an option; allowed: max_bytes=N"),
+    (["--model", "gpt", "--data", "digits"], "data='digits' is not available for gpt"),
 ]
 
 
@@ -159,6 +192,9 @@ def test_tables_mark_the_better_direction_and_explain_missing_cells(capsys) -> N
     assert "nan" not in out and MISSING in out
     assert "test acc ↑" in out and "s/step ↓" in out and "MB sent/step ↓" in out
     assert "PowerSGD hook keeps no byte counter" in out and "no allreduce run to compare with" in out
+    print_summary([{**summary, "metric": "loss", "held_out_loss": 1.3956, "data": {"fingerprint": "pystdlib-x"}}])
+    out = capsys.readouterr().out
+    assert "held-out nats/byte ↓" in out and "1.3956" in out and "test acc" not in out and "pystdlib-x" in out
 
 
 def _summary(**changes) -> dict:

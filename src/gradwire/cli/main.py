@@ -16,6 +16,7 @@ from typing import Sequence
 COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "cluster"): ("gradwire.cluster.command", "emulated bandwidth-limited cluster in network namespaces (root)"),
     (None, "train"): ("gradwire.cli.train", "train with one or more methods on local workers and compare"),
+    (None, "simulate"): ("gradwire.cli.simulate", "W data-parallel workers in one process: held-out quality, fast"),
     ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
     ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
     ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),

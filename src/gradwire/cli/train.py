@@ -63,9 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="repeatable; e.g. allreduce, torch-fp16, torch-powersgd:rank=4, "
                              "topk:density=0.01,values=fp16,indices=eliasfano, randomblock:density=0.01, "
                              "pufferfish:rank_ratio=0.25,warmup_epochs=1 (default: allreduce and topk 1%%)")
-    parser.add_argument("--model", default="cnn", help="cnn, resnet18, vgg19, lstm, transformer, mlp (default cnn)")
-    parser.add_argument("--data", default=None, help="mnist5k, digits, synthetic (default: mnist5k for cnn, synthetic otherwise)")
-    parser.add_argument("--text", default=None, metavar="PATH", help="a local text file for lstm/transformer (byte-level)")
+    parser.add_argument("--model", default="cnn",
+                        help="cnn, resnet18, vgg19, lstm, transformer, mlp, gpt (a 0.5M-parameter byte-level LM) "
+                             "(default cnn)")
+    parser.add_argument("--data", default=None,
+                        help="mnist5k, digits, synthetic, pystdlib (this Python's standard-library sources, for the "
+                             "sequence models; options: pystdlib:max_bytes=N,held_out_bytes=N,held_out_every=N) "
+                             "(default: mnist5k for cnn, pystdlib for gpt, synthetic otherwise)")
+    parser.add_argument("--text", default=None, metavar="PATH",
+                        help="a local text file for lstm/transformer/gpt (byte-level)")
     parser.add_argument("--workers", type=int, default=None,
                         help=f"worker processes, 1 to {MAX_WORKERS} (default {DEFAULT_WORKERS}, or the size of the "
                              f"cluster that is up with --cluster; ignored under torchrun)")
@@ -77,7 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="steps left out of the per-step medians (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="per worker (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default %(default)s)")
+    parser.add_argument("--optimizer", default="sgd", help="sgd (with momentum 0.9) or adamw (default sgd)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default 0.05) with sgd, 2e-3 with adamw")
+    parser.add_argument("--weight-decay", type=float, default=None, dest="weight_decay",
+                        help="AdamW's decoupled weight decay, SGD's L2 term (default: sgd 0, adamw 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default %(default)s)")
     parser.add_argument("--compute-only", action="store_true", help="forward+backward under no_sync(): no communication")
@@ -117,7 +126,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     config = TrainConfig(
         methods=args.methods or list(DEFAULT_METHODS), model=args.model, data=args.data, text=args.text,
         epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, max_steps=args.max_steps,
-        warmup_steps=args.warmup_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads,
+        warmup_steps=args.warmup_steps, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
+        weight_decay=args.weight_decay, seed=args.seed, threads=args.threads,
         evaluate=not args.no_eval, compute_only=args.compute_only, out=args.out,
         progress=interactive, log_epochs=not interactive,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -137,7 +147,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 #: TrainConfig field -> the option that sets it, for error messages
 _OPTION_NAMES = {"max_steps": "--steps", "steps_per_epoch": "--steps-per-epoch", "batch_size": "--batch-size",
-                 "epochs": "--epochs", "threads": "--threads", "lr": "--lr", "warmup_steps": "--warmup-steps"}
+                 "epochs": "--epochs", "threads": "--threads", "lr": "--lr", "warmup_steps": "--warmup-steps",
+                 "optimizer": "--optimizer", "weight_decay": "--weight-decay"}
 
 
 def check_method(spec_text: str) -> None:
@@ -390,19 +401,25 @@ def _number(value: Any, fmt: str) -> str:
 
 
 def print_summary(summaries: list[dict[str, Any]]) -> None:
-    """The comparison tables; ↑ marks a column where higher is better, ↓ lower."""
+    """The comparison tables; ↑ marks a column where higher is better, ↓ lower. The evaluation column
+    is the workload's headline (``metric``): test accuracy, or for a language model the held-out loss."""
     baseline = next((s for s in summaries if s["method"] == "allreduce"), None)
     first = summaries[0]
-    print(f"\n{first['model']} on {first['world_size']} workers, {first['steps']} steps per method")
+    by_loss = first.get("metric", "accuracy") == "loss"
+    evaluated, header, fmt = (("held_out_loss", "held-out nats/byte ↓", ".4f") if by_loss else
+                              ("test_accuracy", "test acc ↑", ".4f"))
+    fingerprint = (first.get("data") or {}).get("fingerprint")
+    print(f"\n{first['model']} on {first['world_size']} workers, {first['steps']} steps per method"
+          + (f", data {fingerprint}" if fingerprint else ""))
     rows, missing = [], set()
     for s in summaries:
         ratio = s["seconds_per_step"] / baseline["seconds_per_step"] if baseline else math.nan
         byte_ratio = (s["bytes_per_step"] / baseline["bytes_per_step"]
                       if baseline and baseline["bytes_per_step"] else math.nan)
         ok = s.get("status", "ok") == "ok"
-        accuracy = _number(s["test_accuracy"], ".4f") if ok else "diverged"
-        if ok and s["test_accuracy"] != s["test_accuracy"]:
-            missing.add("test acc: not evaluated (--no-eval)")
+        accuracy = _number(s[evaluated], fmt) if ok else "diverged"
+        if ok and s[evaluated] != s[evaluated]:
+            missing.add(f"{header[:-2]}: not evaluated (--no-eval)")
         if s["bytes_per_step"] != s["bytes_per_step"]:
             missing.add("MB sent: PyTorch's PowerSGD hook keeps no byte counter")
         if baseline is None:
@@ -411,7 +428,7 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
                      _number(ratio, ".2f"), _number(s["bytes_per_step"] / 1e6, ".3f"), _number(byte_ratio, ".4f"),
                      f"{s['parameters']:,}"])
     # final_loss is the last epoch's mean loss, as the epoch lines print it (one batch's loss is noise)
-    print(format_table(["method", "test acc ↑", "last epoch loss ↓", "s/step ↓", "time x allreduce ↓",
+    print(format_table(["method", header, "last epoch loss ↓", "s/step ↓", "time x allreduce ↓",
                         "MB sent/step ↓", "bytes x allreduce ↓", "params"], rows))
     link = first.get("link")
     if link and link.get("kind") == LOOPBACK:

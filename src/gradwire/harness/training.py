@@ -11,6 +11,14 @@ received during the measured steps (after the warm-up), read from the kernel's c
 two barriers, and per node the bytes that crossed the node's shaped link — exact wire bytes per
 method, headers included, where the launch-wide counters mix every method of the launch.
 
+The optimizer is ``config.optimizer`` (``sgd`` with momentum, or ``adamw``; see
+:mod:`~gradwire.harness.optimizers`), built through one factory that Pufferfish's ``Warmup`` also
+calls when it rebuilds the optimizer for the factorized model.
+
+After training every rank evaluates the test split: ``test_accuracy`` and ``held_out_loss`` (mean
+cross-entropy per prediction over the whole split; nats per byte for the byte-level language
+models, whose headline it is: ``metric`` says which number the tables show).
+
 ``compute_only=True`` runs forward+backward under ``no_sync()`` (no communication at all): the
 floor that communication overhead is measured against.
 """
@@ -31,11 +39,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import resume
+from . import optimizers, resume
 from ..exchange.cost import ring_allreduce_bytes
 from ..lifetime import barrier, wait_for
 from .methods import MethodSpec, parse_method
-from .workloads import Workload, build_workload
+from .workloads import Workload, build_workload, evaluate
 
 
 @dataclass
@@ -52,8 +60,13 @@ class TrainConfig:
     max_steps: Optional[int] = None
     warmup_steps: int = 0
     batch_size: int = 32
-    lr: float = 0.05
+    #: "sgd" (with ``momentum``) or "adamw"
+    optimizer: str = "sgd"
+    #: None: the optimizer's default (sgd 0.05, adamw 2e-3), filled in on construction
+    lr: Optional[float] = None
     momentum: float = 0.9
+    #: None: the optimizer's default (sgd 0, adamw 0.01), filled in on construction
+    weight_decay: Optional[float] = None
     seed: int = 0
     threads: int = 1
     synthetic_size: int = 2048
@@ -73,6 +86,13 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
 
+    def __post_init__(self) -> None:
+        # concrete numbers in the JSON the workers and the summaries get; validate() checks them
+        if self.lr is None:
+            self.lr = optimizers.DEFAULT_LR.get(self.optimizer)
+        if self.weight_decay is None:
+            self.weight_decay = optimizers.DEFAULT_WEIGHT_DECAY.get(self.optimizer)
+
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "threads", "synthetic_size"):
             if getattr(self, name) < 1:
@@ -80,8 +100,7 @@ class TrainConfig:
         for name in ("steps_per_epoch", "max_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
+        optimizers.resolve(self.optimizer, self.lr, self.weight_decay)
         resume.check_options(self.checkpoint_dir, self.checkpoint_every)
         for spec in self.methods:
             spec_parsed = parse_method(spec)
@@ -173,24 +192,6 @@ def _wrap(module: torch.nn.Module, spec: MethodSpec, config: TrainConfig, device
     return ddp, state
 
 
-def _evaluate(model: torch.nn.Module, workload: Workload, device: torch.device,
-              batch_size: int = 256) -> tuple[float, float]:
-    """(accuracy, mean loss per prediction) on the test set; exp(loss) is the perplexity of a
-    language model."""
-    model.eval()
-    loader = torch.utils.data.DataLoader(workload.test, batch_size=batch_size)
-    correct, total, loss_sum = 0.0, 0, 0.0
-    with torch.no_grad():
-        for inputs, targets in loader:
-            outputs = model(inputs.to(device))
-            targets = targets.to(device)
-            correct += workload.accuracy(outputs, targets) * targets.numel()
-            loss_sum += float(workload.loss(outputs, targets)) * targets.numel()
-            total += targets.numel()
-    model.train()
-    return correct / max(total, 1), loss_sum / max(total, 1)
-
-
 def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     """Train one method from the same seed; returns its summary (identical on every rank)."""
     spec = parse_method(spec_text)
@@ -203,7 +204,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     holder: dict[str, Any] = {"ddp": ddp, "state": state}
 
     def optimizer_factory(parameters: Any) -> torch.optim.Optimizer:
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum)
+        return optimizers.build_optimizer(config.optimizer, parameters, lr=config.lr,
+                                          weight_decay=config.weight_decay, momentum=config.momentum)
 
     warmup = None
     if spec.pufferfish is not None:
@@ -266,7 +268,7 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         bar.close()
     if metrics_file:
         metrics_file.close()
-    accuracy, test_loss = (_evaluate(ddp, workload, device) if config.evaluate and status == "ok"
+    accuracy, test_loss = (evaluate(ddp, workload, device) if config.evaluate and status == "ok"
                            else (math.nan, math.nan))
     measured = records[config.warmup_steps:] or records
     summary = {
@@ -278,7 +280,12 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "final_loss": last_epoch_loss(records),
         "last_step_loss": records[-1]["loss"] if records else math.nan,
         "test_accuracy": accuracy,
+        #: mean cross-entropy per prediction over the whole test split (nats per byte for the byte-level
+        #: language models); ``test_loss`` is the same number under its older name
+        "held_out_loss": test_loss,
         "test_loss": test_loss,
+        "metric": workload.metric,
+        "data": workload.info,
         "wall_seconds": wall,
         "seconds_per_step": median([r["seconds_step"] for r in measured]),
         "bytes_per_step": median([r.get("bytes_sent", math.nan) for r in measured]),

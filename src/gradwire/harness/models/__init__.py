@@ -18,6 +18,7 @@ from torch import nn
 
 from ...errors import check_choice
 from .cnn import SmallCNN
+from .gpt import ByteGPT
 from .lstm import LSTMLanguageModel
 from .mlp import WideMLP
 from .resnet import ResNet18
@@ -32,6 +33,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "lstm": LSTMLanguageModel,
     "transformer": TransformerClassifier,
     "mlp": WideMLP,
+    "gpt": ByteGPT,
 }
 
 
@@ -42,4 +44,4 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     return MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "build_model", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19", "WideMLP"]
+__all__ = ["MODELS", "build_model", "ByteGPT", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19", "WideMLP"]

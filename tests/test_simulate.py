@@ -1,0 +1,120 @@
+"""The single-process simulator: the same numbers as a real 2-rank gloo DDP run, and its plug points."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gradwire.harness.simulate import exact_mean, simulate
+from gradwire.harness.workloads import build_workload
+
+from .distributed import run_workers
+
+DATA = "pystdlib:max_bytes=65536,held_out_bytes=4096"
+TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
+#: a short run with a large enough step size that a wrong average or wrong shard would show
+RUN = {"batch_size": 4, "lr": 1e-2, "seed": 3}
+STEPS = 3
+
+
+def _ddp_rank(rank: int, world_size: int) -> dict:
+    """One rank of ``gradwire train``'s own loop (train_method) on the default 509k-parameter gpt."""
+    from gradwire.harness.training import TrainConfig, train_method
+
+    config = TrainConfig(methods=["allreduce"], model="gpt", data=DATA, optimizer="adamw", lr=RUN["lr"],
+                         batch_size=RUN["batch_size"], seed=RUN["seed"], max_steps=STEPS, progress=False)
+    summary = train_method(config, "allreduce")
+    return {"held_out_loss": summary["held_out_loss"], "final_loss": summary["last_step_loss"],
+            "steps": summary["steps"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_two_simulated_workers_match_a_two_rank_gloo_ddp_run() -> None:
+    ranks = run_workers(_ddp_rank, 2, timeout=50)
+    assert [r["steps"] for r in ranks] == [STEPS, STEPS]
+    simulated = simulate(2, STEPS, model="gpt", data=DATA, optimizer="adamw", **RUN)
+    # each worker's last batch loss is the loss its rank saw: the same shards in the same order
+    assert simulated.final_worker_losses == pytest.approx([r["final_loss"] for r in ranks], rel=1e-5)
+    assert simulated.held_out_loss == pytest.approx(ranks[0]["held_out_loss"], rel=1e-5)
+    assert ranks[0]["held_out_loss"] == ranks[1]["held_out_loss"]  # DDP kept the ranks identical
+    # the tolerance is far below what a wrong reduction changes: worker 0's gradient alone
+    alone = simulate(2, STEPS, model="gpt", data=DATA, optimizer="adamw", reduce=lambda grads: list(grads[0]), **RUN)
+    assert abs(alone.held_out_loss - simulated.held_out_loss) > 1e3 * 1e-5 * simulated.held_out_loss
+
+
+def test_exact_mean_is_the_fp32_mean_per_parameter() -> None:
+    grads = [[torch.full((2, 3), 1.0), torch.tensor([2.0])], [torch.full((2, 3), 3.0), torch.tensor([-4.0])]]
+    mean = exact_mean(grads)
+    assert [m.shape for m in mean] == [(2, 3), (1,)]
+    assert torch.equal(mean[0], torch.full((2, 3), 2.0)) and torch.equal(mean[1], torch.tensor([-1.0]))
+
+
+def test_reduce_and_after_step_plug_in_local_steps() -> None:
+    """``reduce`` returning None lets each worker step on its own gradient (the replicas drift
+    apart); an ``after_step`` that averages the parameters every 2 steps brings them back."""
+    workload = build_workload("gpt", DATA, model_options=TINY)
+    seen: list[int] = []
+    drift: list[float] = []
+
+    def average_every_2(step: int, models, optimizers) -> None:
+        seen.append(step)
+        pairs = list(zip(*(m.parameters() for m in models)))
+        drift.append(max(float((a - b).detach().abs().max()) for a, b in pairs))
+        if step % 2 == 0:
+            with torch.no_grad():
+                for tied in pairs:
+                    mean = torch.stack(tied).mean(0)
+                    for parameter in tied:
+                        parameter.copy_(mean)
+
+    result = simulate(2, 4, batch_size=4, workload=workload, reduce=lambda grads: None, after_step=average_every_2)
+    assert seen == [1, 2, 3, 4]
+    assert all(d > 0 for d in drift)  # own gradients: the replicas differ after every step
+    assert math.isfinite(result.held_out_loss) and len(result.train_loss) == 4
+    ddp = simulate(2, 4, batch_size=4, workload=workload, after_step=lambda step, models, optims: drift.append(
+        max(float((a - b).detach().abs().max()) for a, b in zip(*(m.parameters() for m in models)))))
+    assert drift[-4:] == [0.0] * 4  # exact averaging keeps them bit-identical
+    assert ddp.held_out_loss != result.held_out_loss
+    assert workload.model.head.weight.grad is None  # the workload's own model is left untouched
+
+
+def test_evaluations_speed_and_json() -> None:
+    workload = build_workload("gpt", DATA, model_options=TINY)
+    lines: list[str] = []
+    result = simulate(2, 5, batch_size=4, workload=workload, eval_every=2, log=lines.append)
+    assert [e["step"] for e in result.evaluations] == [0, 2, 4, 5]
+    assert len(lines) == 4 and lines[-1].startswith("step 5/5: held-out loss ")
+    assert result.steps_per_second > 0 and result.data["fingerprint"].startswith("pystdlib-py")
+    assert json.loads(json.dumps(result.to_dict()))["held_out_loss"] == result.held_out_loss
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"workers": 0}, "workers=0 must be an integer >= 1"),
+    ({"optimizer": "adam"}, "optimizer='adam' is not supported"),
+    ({"lr": -1.0}, "lr=-1.0 must be > 0"),
+    ({"batch_size": 10_000}, "larger than each worker's share"),
+    ({"reduce": lambda grads: [grads[0][0]]}, "reduce returned 1 tensors"),
+])
+def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
+    workload = build_workload("gpt", DATA, model_options=TINY)
+    arguments = {"workers": 2, "steps": 1, "batch_size": 4, "workload": workload, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        simulate(**arguments)
+
+
+def test_the_command_prints_evaluations_and_writes_json(tmp_path, capsys) -> None:
+    from gradwire.cli.main import main
+
+    assert main(["simulate", "--workers", "2", "--steps", "2", "--batch-size", "4", "--data", DATA,
+                 "--eval-every", "1", "--json", str(tmp_path / "sim.json")]) == 0
+    out = capsys.readouterr().out
+    assert "step 1/2: held-out loss" in out and "final held-out loss (nats/byte):" in out
+    record = json.loads((tmp_path / "sim.json").read_text())
+    assert record["workers"] == 2 and record["parameters"] == 509_248 and len(record["evaluations"]) == 3
+    assert main(["simulate", "--optimizer", "sgdd"]) == 2
+    err = capsys.readouterr().err
+    assert err == "gradwire simulate: --optimizer='sgdd' is not supported; allowed: sgd, adamw\n"
