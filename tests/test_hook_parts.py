@@ -23,7 +23,12 @@ def test_every_compared_option_reaches_the_description() -> None:
                "scope": "global", "collective": "allgather", "hierarchy": 2, "seed": 7, "warmup_steps": 3,
                "nonfinite": "skip", "verify": "none", "link_gbit": 10.0, "link_alpha": 1e-5}
     compared = {f.name for f in dataclasses.fields(HookConfig) if not f.metadata.get("rank_local")}
-    assert compared - {"k", "threshold"} == set(changes)
+    assert compared - {"k", "threshold", "quantize", "quantize_block"} == set(changes)
+    dense = HookConfig(compressor="none")  # the quantized exchange is dense: compared on its own base
+    assert dense.replace(quantize="int8").describe() != dense.describe()
+    assert dense.replace(quantize="int8", quantize_block=64).describe() != dense.replace(quantize="int8").describe()
+    # options added later are left out at their default: older checkpoints' option hash still matches
+    assert "quantize" not in base.describe()
     for name, value in changes.items():
         if name == "codec_options":
             changed = HookConfig(compressor="topk", density=0.05, value_codec="polyfit", codec_options=value)
@@ -44,6 +49,9 @@ def test_every_compared_option_reaches_the_description() -> None:
     ({"hierarchy": 0}, "hierarchy=0 is not supported"),
     ({"compressor": "topk", "collective": "allreduce"}, "needs a shared support"),
     ({"compressor": "randomk", "collective": "allreduce", "value_codec": "qsgd"}, "value_codec must be one of"),
+    ({"compressor": "none", "quantize": "int2"}, "quantize='int2' is not supported; allowed: None, int8, int4"),
+    ({"compressor": "topk", "quantize": "int8"}, "quantize='int8' is a dense exchange of quantized blocks: it needs"),
+    ({"compressor": "none", "quantize": "int8", "quantize_block": 0}, "quantize_block=0 must be an integer >= 1"),
 ])
 def test_invalid_options_name_the_option(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -22,6 +22,7 @@ STRATEGIES = {
     "sparse-allreduce": {"compressor": "topk", "density": 0.1, "collective": "sparse-allreduce",
                          "index_codec": "rice", "value_codec": "fp16"},
     "auto": {"compressor": "topk", "density": 0.1, "collective": "auto", "link_gbit": 0.1},
+    "quantized": {"compressor": "none", "quantize": "int4", "quantize_block": 32},
 }
 
 
@@ -92,3 +93,52 @@ def test_hierarchical_two_nodes_of_two() -> None:
     assert len({r["digest"] for r in results}) == 1
     assert all(r["stats"]["count_hierarchical_buckets"] > 0 for r in results)
     assert all(r["gap"] < 1e-6 for r in results), [r["gap"] for r in results]
+
+
+def worker_quantized(rank: int, world_size: int, bits: int) -> dict:
+    """GradientExchange with the int8/int4 AllReduce: sum of what was applied + the mean residual ==
+    the mean gradient, over steps (error feedback telescopes); then a NaN on rank 1 raises on all."""
+    import torch.distributed as dist
+
+    model = _model()
+    exchange = gradwire.GradientExchange(model, compressor="none", quantize=f"int{bits}", quantize_block=16,
+                                         bucket_cap_mb=0.001)
+    applied = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    wanted = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    for step in range(4):
+        model.zero_grad()
+        inputs, targets = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        for parameter, total in zip(model.parameters(), wanted):
+            grad = parameter.grad.clone()
+            dist.all_reduce(grad)
+            total += grad.double() / world_size
+        exchange.synchronize()
+        for parameter, total in zip(model.parameters(), applied):
+            total += parameter.grad.double()
+    gap = 0.0
+    for parameter, got, want in zip(model.parameters(), applied, wanted):
+        residual = exchange.feedback.residual(id(parameter)).reshape(parameter.shape).clone()
+        dist.all_reduce(residual)
+        gap = max(gap, float((got + residual.double() / world_size - want).abs().max()))
+    scale = max(float(w.abs().max()) for w in wanted)
+    model.zero_grad()
+    inputs, targets = _batch(rank, 9)
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    if rank == 1:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    try:
+        exchange.synchronize()
+        raised = ""
+    except gradwire.NonFiniteGradientError as error:
+        raised = str(error)
+    return {"gap": gap, "scale": scale, "raised": raised, "sent": exchange.stats()["total_bytes_sent"],
+            "dense": exchange.stats()["total_bytes_dense"]}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_allreduce_telescopes_and_fails_together(bits: int) -> None:
+    for result in run_workers(worker_quantized, 3, bits, timeout=120):
+        assert result["gap"] < 1e-5 * result["scale"], result  # float32 roundings only
+        assert "NaN or Inf" in result["raised"], result  # the typed error, on every rank
+        assert result["sent"] < (0.6 if bits == 8 else 0.4) * result["dense"], result

@@ -19,7 +19,7 @@ from ..exchange import check_same_on_all_ranks, ring_allreduce_bytes
 from ..exchange.checked import time_limit
 from ..exchange.collectives import world_size_of
 from . import checkpoint
-from .config import ExchangeConfig
+from .config import QUANTIZE_BITS, ExchangeConfig
 from .feedback import ErrorFeedback, MomentumCorrection
 from .group import Group, check_entries
 from .planner import COMPENSATE, SELECT, Planner
@@ -33,6 +33,7 @@ from .strategies import (
     ExchangeStrategy,
     HierarchicalExchange,
     PayloadAllGather,
+    QuantizedAllReduce,
     SharedSupportAllReduce,
     SparseAllReduce,
     count_slack,
@@ -204,6 +205,10 @@ class Pipeline:
             }
             if self.sparsifier is not None:
                 self._strategies["hierarchical"] = HierarchicalExchange(self._context, self.sparsifier)
+            if config.quantize is not None:
+                self._strategies["quantized"] = QuantizedAllReduce(self._context, self.feedback,
+                                                                   bits=QUANTIZE_BITS[config.quantize],
+                                                                   block_size=config.quantize_block)
             self._planner = Planner(config, self.sparsifier, self.process_group, world)
             self._round = Round(config, self.process_group, world, self.stats, self.feedback)
         return self._strategies

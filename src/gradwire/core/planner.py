@@ -140,7 +140,8 @@ class Plan:
 class Planner:
     """Chooses, the same way on every rank, how each group travels.
 
-    1. no sparsifier, a warm-up step, or ``collective="dense"``: dense AllReduce of the raw gradients;
+    1. ``quantize`` set (after the warm-up): the quantized dense AllReduce; else no sparsifier, a
+       warm-up step, or ``collective="dense"``: dense AllReduce of the raw gradients;
     2. a shared support (randomk, randomblock): select (even on a non-finite rank, so the supports
        agree in size), then the AllReduce of values when the value codec is a cast, else the
        payload AllGather;
@@ -169,6 +170,8 @@ class Planner:
 
     def plan(self, group: Group, step: int) -> Plan:
         config = self.config
+        if config.quantize is not None and step >= config.warmup_steps:
+            return Plan("quantized", NO_SELECTION)
         if self.sparsifier is None or step < config.warmup_steps or config.collective == "dense":
             return Plan("dense", NO_SELECTION)
         if self.sparsifier.shared_support:

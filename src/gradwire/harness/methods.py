@@ -7,6 +7,7 @@ Examples::
     torch-powersgd:rank=4                       PyTorch's powerSGD_hook
     topk:density=0.01,values=fp16,indices=rice  gradwire hook
     randomblock:density=0.01                    gradwire hook, shared support -> AllReduce
+    quantize:bits=4,block=128                   gradwire hook, dense AllReduce of int4 blocks
     pufferfish:rank_ratio=0.25,warmup_epochs=1  low-rank model after a full-rank warm-up
     pufferfish:rank_ratio=0.25+topk:density=0.01
 
@@ -46,6 +47,8 @@ HOOK_KEYS = {
     "rounding": ("codec_option:rounding", str),
 }
 TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": {}, "allreduce": {}}
+#: ``quantize:bits=8,block=128``: gradwire's dense AllReduce of int8/int4 blocks (error feedback on)
+QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "warmup_steps": int}
 PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}
 
 
@@ -69,6 +72,13 @@ class MethodSpec:
 
     def hook_options(self) -> dict[str, Any]:
         """Keyword arguments for :class:`gradwire.CommHookState` (gradwire compressors only)."""
+        if self.communication.name == "quantize":
+            chosen = self.communication.options
+            options = {"compressor": "none", "quantize": f"int{chosen.get('bits', 8)}",
+                       "quantize_block": chosen.get("block", 128), "error_feedback": chosen.get("ef", True)}
+            if "warmup_steps" in chosen:
+                options["warmup_steps"] = chosen["warmup_steps"]
+            return options
         options: dict[str, Any] = {"compressor": self.communication.name}
         codec_options: dict[str, Any] = {}
         for key, value in self.communication.options.items():
@@ -123,6 +133,8 @@ def spec_help(width: int = 100) -> str:
     lines = ["method specs (--method SPEC): NAME[:KEY=VALUE,...]; '+' joins pufferfish with one communication "
              "method", *(paragraph(name, keys(TORCH_KEYS[name])) for name in TORCH_HOOKS),
              paragraph(f"gradwire compressors ({', '.join(sparsifiers())})", keys(hook_keys)),
+             paragraph("quantize (dense AllReduce of int8/int4 blocks, bits=8|4, error feedback)",
+                       keys(QUANTIZE_KEYS)),
              paragraph("pufferfish (low-rank model after a full-rank warm-up)", keys(PUFFERFISH_KEYS))]
     return "\n".join(lines)
 
@@ -143,13 +155,15 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
 def _parse_part(spec: str, text: str, compressors: list[str]) -> Part:
     name, _, rest = text.partition(":")
     name = name.strip()
-    allowed_names = [*TORCH_HOOKS, "pufferfish", *compressors]
+    allowed_names = [*TORCH_HOOKS, "pufferfish", "quantize", *compressors]
     if name not in allowed_names:
         raise ValueError(f"method {spec!r}: {name!r} is not supported; allowed: {', '.join(allowed_names)}")
     if name == "pufferfish":
         keys: dict[str, Any] = PUFFERFISH_KEYS
     elif name in TORCH_HOOKS:
         keys = TORCH_KEYS[name]
+    elif name == "quantize":
+        keys = QUANTIZE_KEYS
     else:
         keys = {key: kind for key, (_, kind) in HOOK_KEYS.items()}
     options: dict[str, Any] = {}

@@ -4,13 +4,15 @@
 * :class:`SharedSupportAllReduce` — values at positions every rank drew from one seed;
 * :class:`PayloadAllGather` — encoded per-rank payloads, two-round then framed one-round;
 * :class:`SparseAllReduce` — per-rank supports reduced by region: ~2k entries per worker for any p;
-* :class:`HierarchicalExchange` — dense inside a node, sparse AllReduce across nodes.
+* :class:`HierarchicalExchange` — dense inside a node, sparse AllReduce across nodes;
+* :class:`QuantizedAllReduce` — dense, in int8/int4 blocks (``quantize=``), with error feedback.
 """
 
 from .allgather import PayloadAllGather, count_slack
 from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 from .hierarchical import HierarchicalExchange, local_size_of
+from .quantized import QuantizedAllReduce
 from .shared_support import SharedSupportAllReduce
 from .sparse_allreduce import SparseAllReduce
 
@@ -21,6 +23,7 @@ __all__ = [
     "ExchangeStrategy",
     "HierarchicalExchange",
     "PayloadAllGather",
+    "QuantizedAllReduce",
     "SharedSupportAllReduce",
     "SparseAllReduce",
     "count_slack",
