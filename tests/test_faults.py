@@ -6,6 +6,7 @@ unreduced or unagreed gradients. ``scripts/fault_trials.py`` repeats the kill te
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -43,7 +44,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def worker_killed_peer(rank: int, world_size: int, options: dict, victim: int, death_step: int,
-                       stamp_dir: str) -> dict:
+                       stamp_dir: str, typed: bool = False) -> dict:
     """Train; ``victim`` SIGKILLs itself at the start of ``death_step`` (after writing the time).
     Survivors report what they raised, when, and how many optimizer steps they took."""
     model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets: failures mid-step
@@ -58,23 +59,24 @@ def worker_killed_peer(rank: int, world_size: int, options: dict, victim: int, d
         optimizer.zero_grad()
         inputs, targets = _batch(rank, step)
         try:
-            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-        except Exception as error:  # DDP re-raises the hook's error from backward
+            with state.typed_errors() if typed else contextlib.nullcontext():
+                torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        except Exception as error:  # DDP re-raises the hook's error from backward (as RuntimeError)
             return {"raised_at": time.time(), "error": f"{type(error).__name__}: {error}", "steps": steps_taken,
-                    "step": step}
+                    "step": step, "collective_error": isinstance(error, gradwire.CollectiveError)}
         optimizer.step()
         steps_taken += 1
     return {"raised_at": None, "error": None, "steps": steps_taken, "step": None}
 
 
 def kill_trial(case: str, world_size: int = 3, victim: int = 1, death_step: int = 3,
-               tmp: Path | None = None) -> list[dict]:
+               tmp: Path | None = None, typed: bool = False) -> list[dict]:
     """One trial: per survivor, its report plus ``seconds_after_death``."""
     import tempfile
 
     with tempfile.TemporaryDirectory(dir=tmp) as stamp_dir:
         results, exit_codes = run_workers_some_die(worker_killed_peer, world_size, KILL_CASES[case], victim,
-                                                   death_step, stamp_dir, timeout=240, pg_timeout=60)
+                                                   death_step, stamp_dir, typed, timeout=240, pg_timeout=60)
         died_at = float(Path(stamp_dir, "death").read_text())
     assert exit_codes[victim] == -signal.SIGKILL, exit_codes
     reports = []
@@ -130,7 +132,8 @@ class _Tamper:
         codec_layer.encode_tensors = encode
 
 
-def worker_tampered(rank: int, world_size: int, mode: str, policy: str, collective: str = "allgather") -> dict:
+def worker_tampered(rank: int, world_size: int, mode: str, policy: str, collective: str = "allgather",
+                    typed: bool = False) -> dict:
     model = DDP(_model())
     state = gradwire.CommHookState(compressor="topk", density=0.1, collective=collective, nonfinite=policy,
                                    model=model)
@@ -143,9 +146,11 @@ def worker_tampered(rank: int, world_size: int, mode: str, policy: str, collecti
         inputs, targets = _batch(rank, step)
         before = {key: value.clone() for key, value in state.feedback.residuals.items()}
         try:
-            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            with state.typed_errors() if typed else contextlib.nullcontext():
+                torch.nn.functional.cross_entropy(model(inputs), targets).backward()
         except Exception as error:
-            outcome = {"step": step, "error": type(error).__name__ + ": " + str(error)[:300]}
+            outcome = {"step": step, "error": type(error).__name__ + ": " + str(error)[:300],
+                       "type": type(error).__name__}
             unchanged = all(torch.equal(state.feedback.residuals[k], v) for k, v in before.items())
             outcome["residuals_unchanged"] = unchanged and state.feedback.residuals.keys() == before.keys()
             break
@@ -240,3 +245,69 @@ def test_an_encoder_error_on_one_rank_fails_the_step_everywhere(collective: str)
             or "could not decode" in outcome["error"], (rank, outcome["error"])
         assert outcome["residuals_unchanged"], rank
     assert len({o["parameters"] for o in outcomes}) == 1
+
+
+# ------------------------------------------------------------------ typed errors reach the caller
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode, expected", [("nan", "NonFiniteGradientError"), ("value", "DivergenceError")])
+def test_typed_errors_reach_the_caller_around_backward(mode: str, expected: str) -> None:
+    """DDP's reducer re-raises a hook's error as RuntimeError; ``state.typed_errors()`` around
+    backward gives the caller gradwire's own type, on every rank, so ``except gradwire.X`` works."""
+    outcomes = run_workers(worker_tampered, 2, mode, "raise", "allgather", True, timeout=150)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get("step") == 1 and outcome["type"] == expected, (rank, outcome)
+        assert outcome["residuals_unchanged"], rank
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_peer_reaches_the_caller_as_a_collective_error(tmp_path: Path) -> None:
+    for report in kill_trial("allgather", tmp=tmp_path, typed=True):
+        assert report["collective_error"], report
+        assert report["step"] == 3 and report["steps"] == 3, report
+
+
+def worker_raise_if_failed(rank: int, world_size: int) -> dict:
+    """Without the context manager: DDP's RuntimeError, then ``raise_if_failed`` gives the type."""
+    model = DDP(_model())
+    state = gradwire.CommHookState(compressor="topk", density=0.1, collective="allgather", model=model)
+    model.register_comm_hook(state, gradwire.comm_hook)
+    inputs, targets = _batch(rank, 0)
+    loss = torch.nn.functional.cross_entropy(model(inputs), targets) * (float("nan") if rank == 1 else 1.0)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        wrapped = type(error).__name__
+    try:
+        state.raise_if_failed()
+    except gradwire.NonFiniteGradientError:
+        return {"wrapped": wrapped, "typed": True, "again": _raises(state.raise_if_failed)}
+    return {"wrapped": wrapped, "typed": False}
+
+
+def _raises(call) -> bool:
+    try:
+        call()
+    except Exception:
+        return True
+    return False
+
+
+def test_raise_if_failed_gives_the_typed_error_once() -> None:
+    for result in run_workers(worker_raise_if_failed, 2, timeout=90):
+        assert result == {"wrapped": "RuntimeError", "typed": True, "again": False}, result
+
+
+def test_the_ddp_hook_refuses_fsdp_models_in_one_line() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    layer = torch.nn.Linear(4, 4)
+    layer.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})  # what fully_shard does to a module
+    model = torch.nn.Sequential(layer)
+    import gradwire.integrations.accelerate as accelerate_helper
+
+    for make in (lambda: gradwire.CommHookState(model=model), lambda: gradwire.GradientExchange(model),
+                 lambda: accelerate_helper.register(None, model)):
+        with pytest.raises(ValueError, match="use gradwire.fsdp.compress"):
+            make()
+    with pytest.raises(TypeError, match="use gradwire.fsdp.compress"):
+        gradwire.comm_hook(gradwire.CommHookState(), torch.zeros(3), torch.zeros(3))  # FSDP1's call

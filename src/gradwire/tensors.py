@@ -28,6 +28,7 @@ from .core.group import BufferTarget, Entry, Group
 from .core.pipeline import Pipeline
 from .core.round import RAISE, SKIP
 from .exchange.collectives import world_size_of
+from .fsdp.detect import refuse_fsdp
 from .lifetime import wait_for
 
 
@@ -65,7 +66,7 @@ class GradientExchange:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0")
         if config is not None and options:
             raise ValueError(f"pass either config= or options, not both (got {', '.join(sorted(options))})")
-        _refuse_fsdp(model)
+        refuse_fsdp(model)
         self.model = model if isinstance(model, torch.nn.Module) else None
         if self.model is not None:
             # a tensor's id is its index among all named parameters, as the DDP hook numbers them
@@ -196,19 +197,6 @@ def _tensor_list(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _refuse_fsdp(model: Any) -> None:
-    """FSDP shards gradients across ranks: averaging the local shards' ``.grad`` as if they were
-    whole would be wrong (and fails inside torch). Say so before anything runs."""
-    if not isinstance(model, torch.nn.Module):
-        return
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-
-    if any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules()):
-        raise ValueError("GradientExchange does not handle FSDP models (their gradients are sharded): use "
-                         "gradwire.fsdp.compress(model, ...) for FSDP2")
 
 
 def _broadcast_from_first_rank(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:

@@ -12,8 +12,10 @@ and loading refuses another rank's, another world size's or other options' state
 ``ValueError`` that names what differs. Tensors are checked (known parameter, 1-D of the
 parameter's numel, the accumulation dtype, finite) before any is kept.
 
-Frameworks that write one file from rank 0 (Lightning's ``.ckpt``, accelerate's
-``register_for_checkpointing``) use the *gathered* form: :func:`gather_state` is a collective
+Frameworks that write one file from rank 0 (Lightning's ``.ckpt``) use the *gathered* form
+(accelerate's ``register_for_checkpointing`` calls ``state_dict()`` on rank 0 only, so it cannot
+carry other ranks' residuals: ``gradwire.integrations.accelerate.register`` writes one file per
+rank instead): :func:`gather_state` is a collective
 that every rank calls; rank 0 gets ``{"format": ..., "gathered": True, "world_size": w, ...,
 "ranks": [state of rank 0, state of rank 1, ...]}`` and loading that dict on every rank picks
 each rank's own entry. Tensors travel as tensors (``dist.gather`` of flat buffers plus a
@@ -143,7 +145,9 @@ def select_state(state: Mapping[str, Any], *, rank: int, world_size: int, config
         _check_header(state, world_size=world_size, config=config)
     if state.get("rank") != rank:
         raise ValueError(f"hook state belongs to rank {state.get('rank')}, this is rank {rank}: error-feedback "
-                         "residuals are per rank (save every rank's file, or use state_dict(gather=True))")
+                         "residuals are per rank (save every rank's file, or use state_dict(gather=True); with "
+                         "accelerate, use gradwire.integrations.accelerate.register(accelerator, model, ...) "
+                         "instead of accelerator.register_for_checkpointing, which saves rank 0's state only)")
     if not isinstance(state.get("iteration"), int) or state["iteration"] < 0:
         raise ValueError(f"hook state: 'iteration' must be an integer >= 0, got {state.get('iteration')!r}")
     tensors = {}

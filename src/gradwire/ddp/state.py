@@ -13,8 +13,9 @@ The path of one gradient is told in docs/architecture.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from ..core.pipeline import Pipeline
 from ..core.round import APPLY, SKIP
 from ..core.strategies import Exchange
 from ..exchange.collectives import world_size_of
+from ..fsdp.detect import refuse_fsdp
 
 logger = logging.getLogger("gradwire")
 
@@ -94,7 +96,10 @@ class CommHookState:
         self._names: dict[Hashable, str] = {}
         self._param_index: dict[Hashable, int] = {}
         self._specs: dict[str, checkpoint.ParameterSpec] = {}
+        #: the last failed step's error, with its own type (see :meth:`raise_if_failed`)
+        self.last_error: Optional[BaseException] = None
         if model is not None:
+            refuse_fsdp(model)
             self.attach(model)
 
     # ----------------------------------------------------------------------------- public
@@ -130,6 +135,40 @@ class CommHookState:
     def describe(self) -> str:
         """A canonical string of every option that must match across ranks."""
         return self.config.describe()
+
+    # ------------------------------------------------------------------------ typed errors
+    def raise_if_failed(self) -> None:
+        """Raise the last step's error with its own type, if that step failed (then forget it).
+
+        DDP's reducer turns an exception set on a hook's Future into ``RuntimeError("Unable to cast
+        ...")``, so ``except gradwire.NonFiniteGradientError`` around ``loss.backward()`` never
+        matches. The hook keeps the step's error; call this after a failed ``backward()`` (or use
+        :meth:`typed_errors`) to get it back.
+
+        Raises:
+            NonFiniteGradientError, CollectiveError, DivergenceError, StepFailedError, DecodeError:
+                the last step's failure, the same on every rank.
+        """
+        error, self.last_error = self.last_error, None
+        if error is not None:
+            raise error
+
+    @contextlib.contextmanager
+    def typed_errors(self) -> Iterator[None]:
+        """``with state.typed_errors(): loss.backward()``: a failed step raises its gradwire error
+        (``NonFiniteGradientError``, ``CollectiveError``, ...) instead of DDP's ``RuntimeError``.
+
+        Raises:
+            the hook's typed error, chained to DDP's ``RuntimeError``; any other exception as is.
+        """
+        self.last_error = None
+        try:
+            yield
+        except RuntimeError as wrapped:
+            error, self.last_error = self.last_error, None
+            if error is None or error is wrapped:
+                raise
+            raise error from wrapped
 
     def state_dict(self, gather: bool = False) -> dict[str, Any]:
         """This rank's residuals (and DGC velocities) by parameter name, the iteration counter,
@@ -208,18 +247,27 @@ class CommHookState:
                     future.set_result(buffer)
                 else:
                     future.set_exception(verdict.error)
+        if verdict.action not in (APPLY, SKIP):
+            self.last_error = verdict.error
         self.iteration += 1
         self.pipeline.stats.end_step()
         if self.config.log_every and self.iteration % self.config.log_every == 0:
             logger.info("gradwire step %d: %s", self.iteration, self.stats())
 
 
-def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def comm_hook(state: CommHookState, bucket: dist.GradBucket, *unexpected: Any) -> torch.futures.Future:
     """DDP communication hook: ``ddp_model.register_comm_hook(state, gradwire.comm_hook)``.
 
     Returns a Future of the bucket's buffer holding the gradient averaged over ranks.
+
+    Raises:
+        TypeError: called as another wrapper's hook (FSDP1 passes three arguments).
     """
+    if unexpected or not isinstance(bucket, dist.GradBucket):
+        raise TypeError("gradwire.comm_hook is a DistributedDataParallel hook; FSDP shards its gradients: use "
+                        "gradwire.fsdp.compress(model, ...) for FSDP2 models")
     return state.run_bucket(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.gradients(), bucket.is_last())
+
 
 
 # DDP inspects the hook's annotations at registration; with postponed evaluation they would be
@@ -227,5 +275,6 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 comm_hook.__annotations__ = {
     "state": CommHookState,
     "bucket": dist.GradBucket,
+    "unexpected": Any,
     "return": torch.futures.Future[torch.Tensor],
 }

@@ -26,6 +26,7 @@ import weakref
 from typing import Any, Optional
 
 from ..ddp import CommHookState
+from ..fsdp.detect import refuse_fsdp
 from ._common import HookNeverRanWarning, find_ddp, load_rank_state, model_record, parameters_device
 from ._common import register as _register, save_rank_state, warn_if_idle
 
@@ -50,10 +51,12 @@ def register(accelerator: Any, model: Any, **hook_options: Any) -> Optional[Comm
         hook never ran a step.
 
     Raises:
-        ValueError: a bad hook option (before anything is registered); from ``load_state``: a
+        ValueError: a bad hook option (before anything is registered), an FSDP model (use
+            ``gradwire.fsdp.compress``); from ``load_state``: a
             file that belongs to another rank, world size, options or registered model.
     """
     CommHookState(**hook_options)  # a bad option fails before anything is registered
+    refuse_fsdp(model)
     ddp = find_ddp(model)
     if ddp is None:
         warnings.warn("gradwire: accelerate built no DistributedDataParallel (one process? on CPU set "
