@@ -27,8 +27,10 @@ def main(output_dir: str = "hf-run", max_steps: int = 6, resume: "str | bool | N
     from gradwire.integrations.hf import GradwireCallback
 
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens())
+    # collective="auto" (the default) would send this small model dense over a fast local link:
+    # the payload AllGather is pinned so that a 2-process run on one machine shows the compression
     callback = GradwireCallback.install(trainer, compressor="topk", density=0.05, value_codec="fp16",
-                                        index_codec="rice")
+                                        index_codec="rice", collective="allgather")
     trainer.train(resume_from_checkpoint=resume)  # checkpoint-N/ holds each rank's gradwire_hook_rank{r}.pt
     # [/readme]
     if callback.hook_state is None:  # the Trainer built no DDP wrapper (the warning above says why)

@@ -155,6 +155,7 @@ class GradientExchange:
         """See :meth:`gradwire.CommHookState.stats`."""
         snapshot = self.pipeline.stats.snapshot()
         snapshot["residual_norm"] = self.feedback.norm() if self.feedback is not None else 0.0
+        snapshot.update(self.pipeline.summary())
         return snapshot
 
     def state_dict(self, gather: bool = False) -> dict[str, Any]:

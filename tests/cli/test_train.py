@@ -58,7 +58,7 @@ def _train(tmp_path, *extra: str) -> tuple[list[dict], str]:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_train_smoke_every_method_family(tmp_path) -> None:
-    methods = ["allreduce", "torch-fp16", "torch-powersgd:rank=2", "topk:density=0.05,values=fp16,indices=rice",
+    methods = ["allreduce", "torch-fp16", "torch-powersgd:rank=2", "topk:density=0.05,values=fp16,indices=rice,collective=allgather",
                "randomblock:density=0.05", "pufferfish:rank_ratio=0.25,warmup_epochs=1+topk:density=0.1"]
     summaries, _ = _train(tmp_path, "--epochs", "2", "--steps-per-epoch", "4",
                           *[arg for m in methods for arg in ("--method", m)])
@@ -69,7 +69,7 @@ def test_train_smoke_every_method_family(tmp_path) -> None:
         assert summary["status"] == "ok" and summary["steps"] == 8 and not math.isnan(summary["test_accuracy"])
     dense = by_method["allreduce"]["bytes_per_step"]
     assert by_method["torch-fp16"]["bytes_per_step"] == pytest.approx(dense / 2)
-    assert by_method["topk:density=0.05,values=fp16,indices=rice"]["bytes_per_step"] < dense / 5
+    assert by_method["topk:density=0.05,values=fp16,indices=rice,collective=allgather"]["bytes_per_step"] < dense / 5
     puffer = by_method["pufferfish:rank_ratio=0.25,warmup_epochs=1+topk:density=0.1"]
     assert puffer["parameters"] < by_method["allreduce"]["parameters"]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics-allreduce.jsonl").read_text().splitlines()]
@@ -112,7 +112,7 @@ def test_the_language_model_trains_with_adamw_and_reports_held_out_loss(tmp_path
     from gradwire.harness.pystdlib import pystdlib
 
     data = "pystdlib:max_bytes=65536,held_out_bytes=4096"
-    methods = ["allreduce", "topk:density=0.05,values=fp16,indices=rice"]
+    methods = ["allreduce", "topk:density=0.05,values=fp16,indices=rice,collective=allgather"]
     command = [sys.executable, "-m", "gradwire", "train", "--model", "gpt", "--data", data, "--optimizer", "adamw",
                "--workers", "2", "--batch-size", "4", "--steps", "2", "--json", str(tmp_path / "s.json"),
                "--timeout", "100", *[arg for m in methods for arg in ("--method", m)]]

@@ -25,7 +25,7 @@ from .launch import ROOT
 pytestmark = [pytest.mark.frameworks, pytest.mark.distributed]
 
 SCRIPT = ROOT / "examples" / "torchrun.sh"
-METHOD = "topk:density=0.01,values=fp16,indices=rice"  # the script's method
+METHOD = "topk:density=0.01,values=fp16,indices=rice,collective=allgather"  # the script's method
 STEPS_PER_EPOCH, EPOCHS, EVERY = 10, 3, 5  # synthetic: 64 batches of 16 per rank and epoch
 
 

@@ -6,8 +6,8 @@ cost model of :mod:`gradwire.exchange.alphabeta` for models and worker counts no
 run (p = 16 … 1024 at 10 / 25 / 100 Gbit/s) and asks, per point:
 
 * which strategy the model predicts fastest (``winner``), with the measured constants;
-* what ``collective="auto"`` would choose there (:func:`gradwire.core.planner.candidates` and
-  :func:`~gradwire.core.planner.choose_strategy`, with the hook's own *estimate* of the bytes per
+* what ``collective="auto"`` would choose there (:func:`gradwire.core.costs.candidates` and
+  :func:`~gradwire.core.costs.choose_strategy`, with the hook's own *estimate* of the bytes per
   entry from the codecs, not the measured one): ``auto_ok`` says whether it picks the winner;
 * the sparse AllReduce's per-worker volume in units of ``k`` (target: ≤ :data:`SPARSE_VOLUME_TARGET_K`
   for every p), in the hook's steady state (one histogram level: the previous threshold as hint) and
@@ -35,7 +35,7 @@ from ..exchange.alphabeta import (
     hierarchical_cost,
     sparse_allreduce_cost,
 )
-from ..core.planner import Calibration, candidates, choose_strategy, entry_bytes
+from ..core.costs import Calibration, candidates, choose_strategy, entry_bytes
 from ..core.config import ExchangeConfig
 
 #: model name -> parameters (ResNet-50: torchvision's 25,557,032)

@@ -430,6 +430,16 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
     # final_loss is the last epoch's mean loss, as the epoch lines print it (one batch's loss is noise)
     print(format_table(["method", header, "last epoch loss ↓", "s/step ↓", "time x allreduce ↓",
                         "MB sent/step ↓", "bytes x allreduce ↓", "params"], rows))
+    for s in summaries:  # what collective="auto" measured on real steps, and what it kept
+        auto = s.get("auto") or {}
+        if auto.get("policy"):
+            measured = ", ".join(f"{key[len('seconds_'):]} {value:.3f} s" for key, value in sorted(auto.items())
+                                 if key.startswith("seconds_"))
+            verdict = (" (dense measured fastest: compression cannot win on this link)"
+                       if auto["policy"] == "dense" else "")
+            print(f"auto, {s['method']}: policy {auto['policy']} after {int(auto.get('trials', 0))} trial(s)"
+                  + (f"; per step {measured}" if measured else "; no trial yet (it starts 8 steps after the warm-up)")
+                  + verdict)
     link = first.get("link")
     if link and link.get("kind") == LOOPBACK:
         print("link: loopback, unshaped: compression saves bytes but no time here and can trail allreduce "

@@ -57,6 +57,8 @@ class LocalState:
     iteration: int
     residuals: dict[str, torch.Tensor]
     velocities: dict[str, torch.Tensor]
+    #: the planner's state (``auto``'s online policy), numbers and strings only; None if not saved
+    planner: Optional[dict[str, Any]] = None
 
 
 def config_hash(config: str) -> str:
@@ -72,11 +74,14 @@ def parameter_specs(model: torch.nn.Module) -> dict[str, ParameterSpec]:
 
 
 def build_state(*, rank: int, world_size: int, config: str, iteration: int,
-                residuals: Optional[Mapping[str, torch.Tensor]], velocities: Optional[Mapping[str, torch.Tensor]]
-                ) -> dict[str, Any]:
-    """One rank's state dict (CPU copies of the tensors)."""
+                residuals: Optional[Mapping[str, torch.Tensor]], velocities: Optional[Mapping[str, torch.Tensor]],
+                planner: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One rank's state dict (CPU copies of the tensors). ``planner``: what the planner carries across
+    rounds (numbers and strings, the same on every rank: its decisions come from agreed numbers)."""
     out: dict[str, Any] = {"format": FORMAT, "rank": rank, "world_size": world_size, "config": config,
                            "config_hash": config_hash(config), "iteration": int(iteration)}
+    if planner is not None:
+        out["planner"] = planner
     for kind, tensors in zip(KINDS, (residuals, velocities)):
         if tensors is not None:
             out[kind] = {name: t.detach().cpu().clone() for name, t in tensors.items()}
@@ -89,7 +94,8 @@ def gather_state(local: dict[str, Any], specs: Mapping[str, ParameterSpec],
     holding every rank's state; other ranks return the gathered form holding only their own
     (a file written from them could not restore the job, and loading it says so)."""
     rank, world = local["rank"], local["world_size"]
-    header = {key: local[key] for key in ("format", "world_size", "config", "config_hash", "iteration")}
+    header = {key: local[key] for key in ("format", "world_size", "config", "config_hash", "iteration", "planner")
+              if key in local}
     if world == 1:
         return {**header, "gathered": True, "ranks": [local]}
     device = _communication_device(process_group)
@@ -158,7 +164,11 @@ def select_state(state: Mapping[str, Any], *, rank: int, world_size: int, config
             tensors[kind] = _checked_tensors(kind, state[kind], specs)
         else:
             tensors[kind] = {}
-    return LocalState(state["iteration"], tensors["residuals"], tensors["velocities"])
+    planner = state.get("planner")
+    if planner is not None and not isinstance(planner, Mapping):
+        raise ValueError(f"hook state: 'planner' must be a dict, got {type(planner).__name__}")
+    return LocalState(state["iteration"], tensors["residuals"], tensors["velocities"],
+                      dict(planner) if planner is not None else None)
 
 
 def _check_header(state: Mapping[str, Any], *, world_size: int, config: str) -> None:

@@ -23,7 +23,7 @@ from .config import QUANTIZE_BITS, ExchangeConfig
 from .feedback import ErrorFeedback, MomentumCorrection
 from .group import Group, check_entries
 from .planner import COMPENSATE, SELECT, Planner
-from .round import Round, Verdict
+from .round import APPLY, Round, Verdict
 from .selection import Selection
 from .stats import ExchangeStats
 from .strategies import (
@@ -70,6 +70,8 @@ class Pipeline:
         self._context: Optional[ExchangeContext] = None
         self._planner: Optional[Planner] = None
         self._round: Optional[Round] = None
+        #: a loaded planner state waiting for the planner (built at the first round)
+        self._pending_planner: Optional[dict[str, Any]] = None
 
     # ----------------------------------------------------------------------------- a round
     def check_config(self) -> None:
@@ -105,7 +107,7 @@ class Pipeline:
             self.selection.run(group, step)
         elif plan.selection == COMPENSATE:
             assert self.selection is not None
-            self.selection.compensate(group, detect_unused=False)
+            self.selection.compensate(group, detect_unused=plan.detect_unused)
         return strategies[plan.strategy].start(group)
 
     @staticmethod
@@ -115,11 +117,11 @@ class Pipeline:
             if exchange.done():
                 exchange.complete()
 
-    def finish(self, groups: Sequence[Group], in_flight: Sequence[Exchange], step: int,
-               extras: Sequence[int] = ()) -> Verdict:
-        """The round's end (:mod:`~.round`): wait, second rounds, agree, error feedback on success."""
+    def finish(self, groups: Sequence[Group], in_flight: Sequence[Exchange], step: int) -> Verdict:
+        """The round's end (:mod:`~.round`): wait, second rounds, agree (with the planner's measured
+        round time, :mod:`~.online`), error feedback on success."""
         self._build()
-        assert self._round is not None
+        assert self._round is not None and self._planner is not None
         self._round.wait(groups, in_flight, step)
         for strategy in (self._strategies or {}).values():
             try:
@@ -127,7 +129,14 @@ class Pipeline:
             except BaseException as error:  # a strategy records its own failures; this is a bug guard
                 for group in groups:
                     group.mark_failed(error)
-        return self._round.agree(groups, step, extras)
+        with self.stats.timer("agree"):
+            verdict = self._round.agree(groups, step, self._planner.round_extras())
+        self._planner.observe(step, verdict.extras, verdict.action == APPLY)
+        return verdict
+
+    def summary(self) -> dict[str, object]:
+        """What ``stats()`` adds beyond the counters: ``auto``'s policy and measured round times."""
+        return self._planner.summary() if self._planner is not None else {}
 
     def reset(self) -> None:
         """Forget what carries across rounds (frame sizes, regions, ``auto``'s choices), on every rank."""
@@ -157,9 +166,10 @@ class Pipeline:
             residuals = self.feedback.state_dict(names)
             if isinstance(self.feedback, MomentumCorrection):
                 velocities = {names[k]: v for k, v in self.feedback.velocities.items() if k in names}
+        planner = self._planner.state_dict() if self._planner is not None else self._pending_planner
         local = checkpoint.build_state(rank=self.rank(), world_size=world_size_of(self.process_group),
                                        config=self.config.describe(), iteration=iteration, residuals=residuals,
-                                       velocities=velocities)
+                                       velocities=velocities, planner=planner)
         return checkpoint.gather_state(local, specs, self.process_group) if gather else local
 
     def load_state_dict(self, state: dict[str, Any], *, names: dict[Hashable, str],
@@ -175,6 +185,10 @@ class Pipeline:
                                        config=self.config.describe(), specs=specs, kinds=kinds)
         keys = {name: key for key, name in names.items()}
         self.reset()  # every rank restarts from the same point
+        self._pending_planner = mine.planner
+        if self._planner is not None and mine.planner is not None:
+            self._planner.load_state_dict(mine.planner)
+            self._pending_planner = None
         if self.feedback is not None:
             self.feedback.load_state_dict(mine.residuals, keys, {keys[n]: torch.device(device) for n in mine.residuals})
             if isinstance(self.feedback, MomentumCorrection):
@@ -210,5 +224,8 @@ class Pipeline:
                                                                    bits=QUANTIZE_BITS[config.quantize],
                                                                    block_size=config.quantize_block)
             self._planner = Planner(config, self.sparsifier, self.process_group, world)
+            if self._pending_planner is not None:  # loaded before the first round
+                self._planner.load_state_dict(self._pending_planner)
+                self._pending_planner = None
             self._round = Round(config, self.process_group, world, self.stats, self.feedback)
         return self._strategies

@@ -1,123 +1,26 @@
 """Which strategy a group takes, and what selection it needs first: :class:`Planner`.
 
-The fixed rules (warm-up and ``compressor="none"`` go dense, shared supports take the AllReduce of
-values or the payload AllGather, ``collective=...`` names one) and, for ``collective="auto"`` with
-a per-rank support, an α–β–γ model.
-
-For each candidate — dense AllReduce, payload AllGather, sparse AllReduce (lossless index codecs
-only), hierarchical (when ``hierarchy`` is set) — :mod:`gradwire.exchange.alphabeta` predicts
-``α·rounds + β·bytes + γ·decoded entries`` from numbers every rank holds alike:
-
-* the group's numel and ``k``, the sum of the sparsifier's per-parameter targets (shapes only);
-* bytes per coded entry, estimated from the codecs (:func:`entry_bytes`), not from this rank's
-  payload, which differs between ranks;
-* the link's α and β: configured (``link_gbit``, ``link_alpha``) or measured at the first step
-  by timed AllReduces whose results all ranks agree on (the maximum);
-* γ, seconds per decoded entry: measured at the first step by decoding a synthetic payload with
-  the configured codecs, agreed the same way.
-
-So every rank makes the same choice, and a strategy is chosen only when it is predicted strictly
-faster than dense. The AllGather still checks the real payload lengths and falls back to dense
-when they turn out larger than predicted.
+The fixed rules (warm-up and ``compressor="none"`` go dense, ``quantize`` takes the quantized
+AllReduce, shared supports take the AllReduce of values or the payload AllGather,
+``collective=...`` names one) and, for ``collective="auto"``, the cost model's per-layout choice
+(:mod:`.costs`) checked on real rounds (:mod:`.online`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
-from .. import codecs as codec_layer
-from ..codecs.base import IndexCodec, ValueCodec
-from ..exchange.alphabeta import (
-    Cost,
-    Link,
-    allgather_payloads,
-    choose,
-    dense_allreduce,
-    hierarchical_cost,
-    sparse_allreduce_cost,
-)
-from ..exchange.calibrate import measure_link
-from ..exchange.checked import wait_checked
-from ..exchange.collectives import communication_device
-from ..exchange.threshold_search import count_dtype
+from ..exchange.alphabeta import Link
 from ..sparsify.base import Sparsifier
 from .config import CAST_VALUE_CODECS, ExchangeConfig
+from .costs import Calibration, calibrate, candidates, entry_bytes, predicted_seconds
 from .group import Group
+from .online import DENSE, FIRST_TRIAL_AFTER, MODEL, OnlineChoice
 from .strategies.hierarchical import local_size_of
-
-#: Nominal bytes per value of the cast codecs; other value codecs are measured.
-_VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp16-scaled": 2.0}
-
-
-def entry_bytes(index_codec: IndexCodec, value_codec: ValueCodec, *, numel: int, k: int) -> float:
-    """Estimated bytes per sent entry: index bits near ``log2(numel/k) + 2`` for a compressed
-    index codec (Rice/Elias-Fano sit there), 8 for raw positions; the value codec's nominal bytes."""
-    density = max(k, 1) / max(numel, 1)
-    index = 8.0 if index_codec.name == "raw" else (math.log2(1.0 / density) + 2.0) / 8.0
-    return index + _VALUE_BYTES.get(value_codec.name, 4.0)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What the choice needs besides shapes: the link and the decode cost, agreed by all ranks."""
-
-    link: Link
-    decode_seconds_per_entry: float
-
-
-def calibrate(group: Optional[dist.ProcessGroup], world_size: int, *, index_codec: IndexCodec,
-              value_codec: ValueCodec, link_gbit: Optional[float], link_alpha: Optional[float]) -> Calibration:
-    """Measure (or take from the config) α, β and γ; the same numbers on every rank. Blocking."""
-    if link_gbit is not None:
-        link = Link.from_rate(link_gbit, alpha=20e-6 if link_alpha is None else link_alpha)
-    else:
-        link = measure_link(group)
-        if link_alpha is not None:
-            link = Link(link_alpha, link.beta)
-    gamma = _decode_seconds_per_entry(index_codec, value_codec)
-    if world_size > 1:
-        agreed = torch.tensor([gamma], dtype=torch.float64, device=communication_device(group))
-        wait_checked(dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                     "auto calibration", "all_reduce (decode cost)")
-        gamma = float(agreed.item())
-    return Calibration(link, gamma)
-
-
-def _decode_seconds_per_entry(index_codec: IndexCodec, value_codec: ValueCodec, numel: int = 1 << 20,
-                              k: int = 1 << 14) -> float:
-    generator = torch.Generator().manual_seed(0)
-    indices = torch.sort(torch.randperm(numel, generator=generator)[:k]).values
-    values = torch.randn(k, generator=generator)
-    payload = codec_layer.encode_tensors([(values, indices, numel)], index_codec, value_codec, check=False).payload
-    best = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        codec_layer.decode_tensors(memoryview(payload), expected_numels=[numel])
-        best = min(best, time.perf_counter() - start)
-    return best / k
-
-
-def candidates(*, numel: int, k: int, world_size: int, bytes_per_entry: float, sparse_allreduce: bool,
-               local_size: Optional[int]) -> list[Cost]:
-    """The strategies a per-rank support may take for a group, with their predicted costs."""
-    costs = [dense_allreduce(numel, world_size), allgather_payloads(k, world_size, bytes_per_entry, length_round=False)]
-    if sparse_allreduce:
-        costs.append(sparse_allreduce_cost(k, world_size, bytes_per_entry,
-                                           count_bytes=count_dtype(numel).itemsize))
-        if local_size and local_size > 1 and world_size % local_size == 0:
-            costs.append(hierarchical_cost(numel, k, world_size // local_size, local_size, bytes_per_entry))
-    return costs
-
-
-def choose_strategy(calibration: Calibration, costs: list[Cost], intra: Optional[Link] = None) -> str:
-    return choose(costs, calibration.link, decode_per_entry=calibration.decode_seconds_per_entry, intra=intra)
-
 
 #: In-node links for the hierarchical candidate of ``auto`` (shared memory or NVLink class: an
 #: assumption, not a measurement — the model only needs them far faster than the network).
@@ -130,25 +33,32 @@ NO_SELECTION, COMPENSATE, SELECT = "none", "compensate", "select"
 @dataclass(frozen=True)
 class Plan:
     """A group's strategy (a key of the pipeline's strategies) and the selection it needs first:
-    ``"none"`` (raw gradients), ``"compensate"`` (``grad + residual`` only: the exchange selects on
-    something else) or ``"select"`` (compensate, then the sparsifier)."""
+    ``"none"`` (raw gradients), ``"compensate"`` (``grad + residual`` only: a dense send of what is
+    owed, or an exchange that selects on something else) or ``"select"`` (compensate, then the
+    sparsifier). ``detect_unused``: an all-zero gradient keeps its residual whole (see
+    :class:`~.selection.Selection`); off where the exchange sums before it selects."""
 
     strategy: str
     selection: str
+    detect_unused: bool = True
 
 
 class Planner:
     """Chooses, the same way on every rank, how each group travels.
 
-    1. ``quantize`` set (after the warm-up): the quantized dense AllReduce; else no sparsifier, a
-       warm-up step, or ``collective="dense"``: dense AllReduce of the raw gradients;
+    1. ``quantize`` (after the warm-up): the quantized dense AllReduce; no sparsifier, a warm-up
+       step, or ``collective="dense"``: dense AllReduce of the raw gradients;
     2. a shared support (randomk, randomblock): select (even on a non-finite rank, so the supports
        agree in size), then the AllReduce of values when the value codec is a cast, else the
        payload AllGather;
-    3. a per-rank support: the configured collective, or for ``"auto"`` the α–β–γ model's choice
-       for the group's layout (computed once per layout; the link and decode cost are calibrated at
-       first use, a blocking collective every rank runs at the same group);
-       a non-finite rank does not select (its exchange announces NaN instead).
+    3. a per-rank support: the configured collective, or for ``"auto"`` the cost model's choice for
+       the group's layout (computed once per layout; the link and CPU costs are calibrated at
+       first use, a blocking collective every rank runs at the same group); a non-finite rank does
+       not select (its exchange announces NaN instead);
+    4. with ``collective="auto"`` (2 and 3) on more than one rank, the round's *policy*
+       (:class:`~.online.OnlineChoice`) may override the model: ``"dense"``, or one strategy forced
+       on every layout, while a trial measures them, or after it, when one measured faster;
+       a dense send needs compensation only, no selection.
 
     ``group.k`` (the second selection's count: the sum of the sparsifier's per-entry targets) is
     set here for the strategies that reduce before they select.
@@ -163,27 +73,43 @@ class Planner:
         self.calibration: Optional[Calibration] = None
         #: the ``auto`` choice per group layout (``Group.signature()``)
         self.choices: dict[tuple[int, ...], str] = {}
+        #: the model's predicted seconds per strategy, per layout
+        self.predictions: dict[tuple[int, ...], dict[str, float]] = {}
+        self.online: Optional[OnlineChoice] = (
+            OnlineChoice() if config.collective == "auto" and sparsifier is not None and world_size > 1 else None)
+        self._first_online_round: Optional[int] = None
+        self._last_agreement: Optional[float] = None
 
     def reset(self) -> None:
-        """Forget the per-layout choices (a checkpoint was loaded: every rank chooses again)."""
-        self.choices = {}
+        """Forget the per-layout choices and measurements (a checkpoint was loaded: every rank
+        chooses again from the same point)."""
+        self.choices, self.predictions = {}, {}
+        if self.online is not None:
+            self.online = OnlineChoice()
+        self._first_online_round, self._last_agreement = None, None
 
+    # ---------------------------------------------------------------------------- choosing
     def plan(self, group: Group, step: int) -> Plan:
         config = self.config
         if config.quantize is not None and step >= config.warmup_steps:
             return Plan("quantized", NO_SELECTION)
         if self.sparsifier is None or step < config.warmup_steps or config.collective == "dense":
             return Plan("dense", NO_SELECTION)
+        policy = self._policy(step)
+        if policy == DENSE:
+            return Plan("dense", COMPENSATE)
         if self.sparsifier.shared_support:
             cast = config.value_codec.name in CAST_VALUE_CODECS
             strategy = "allreduce" if config.collective == "allreduce" or (config.collective == "auto" and cast) \
                 else "allgather"
             return Plan(strategy, SELECT)
-        strategy = self._per_rank_strategy(group)
+        strategy = self._per_rank_strategy(group, policy)
+        if strategy == "dense":
+            return Plan("dense", COMPENSATE)
         if strategy in ("sparse-allreduce", "hierarchical"):
             group.k = self.target_k(group)
         if strategy == "hierarchical":
-            return Plan(strategy, COMPENSATE)
+            return Plan(strategy, COMPENSATE, detect_unused=False)
         return Plan(strategy, SELECT if group.finite else NO_SELECTION)
 
     def target_k(self, group: Group) -> int:
@@ -204,7 +130,99 @@ class Planner:
             return 1
         return local_size_of(self.config.hierarchy, self.world_size)
 
-    def _per_rank_strategy(self, group: Group) -> str:
+    # ------------------------------------------------------------------ measured rounds
+    def round_extras(self) -> list[int]:
+        """What this rank adds to the round's agreement: nanoseconds since the last agreement
+        (0 before the first), when the online check runs; nothing otherwise (every rank alike)."""
+        if self.online is None:
+            return []
+        now = time.perf_counter()
+        elapsed = 0.0 if self._last_agreement is None else now - self._last_agreement
+        self._last_agreement = now
+        return [int(elapsed * 1e9)]
+
+    def observe(self, step: int, extras: Sequence[Sequence[int]], applied: bool) -> None:
+        """The agreed extras of round ``step`` (every rank's), after its agreement."""
+        if self.online is None or not extras:
+            return
+        seconds = [row[0] / 1e9 for row in extras] if applied and all(row[0] > 0 for row in extras) else None
+        if seconds is None:  # a failed or skipped round, or the first: it ran, but its time does not count
+            self.online.observe(step, [])
+        else:
+            self.online.observe(step, seconds)
+
+    def summary(self) -> dict[str, object]:
+        """``auto``'s policy and measured times for ``stats()`` (empty when not measuring)."""
+        return self.online.summary() if self.online is not None else {}
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """What a checkpoint keeps of the planner, or None when it keeps nothing (not ``auto``):
+        the per-layout choices and predictions and the online state — numbers and strings, the same
+        on every rank —, so a resumed run continues with the choices it had, not a new
+        calibration's (timed on another machine state, it may differ)."""
+        if self.config.collective != "auto":
+            return None
+        return {"choices": [[list(layout), name] for layout, name in self.choices.items()],
+                "predictions": [[list(layout), dict(seconds)] for layout, seconds in self.predictions.items()],
+                "online": self.online.state_dict() if self.online is not None else None,
+                "first_online_round": -1 if self._first_online_round is None else self._first_online_round}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output. Raises ``ValueError`` naming a malformed field."""
+        try:
+            choices = {tuple(int(x) for x in layout): str(name) for layout, name in state.get("choices", [])}
+            predictions = {tuple(int(x) for x in layout): {str(n): float(v) for n, v in seconds.items()}
+                           for layout, seconds in state.get("predictions", [])}
+            first = int(state.get("first_online_round", -1))
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"hook state: 'planner' is malformed ({error!r})") from None
+        online = None
+        if self.online is not None and state.get("online") is not None:
+            online = OnlineChoice()
+            online.load_state_dict(state["online"])
+        self.choices, self.predictions = choices, predictions
+        if online is not None:
+            self.online = online
+        self._first_online_round = None if first < 0 else first
+
+    def _policy(self, step: int) -> str:
+        """The online policy of round ``step``: trials start ``FIRST_TRIAL_AFTER`` rounds under the
+        model after the first (the model's per-layout choices are then known, and so is its
+        strongest competitor)."""
+        online = self.online
+        if online is None:
+            return MODEL
+        if self._first_online_round is None:
+            self._first_online_round = step
+        if step >= self._first_online_round + FIRST_TRIAL_AFTER and online.due(step):
+            online.start_trial(step, self._candidates(online.current))
+        return online.policy(step)
+
+    def _candidates(self, current: str) -> list[str]:
+        """The current policy, dense, and — when the model chose dense everywhere — its best
+        non-dense strategy, forced on every layout."""
+        chosen = set(self.choices.values())
+        names = [current, DENSE, MODEL]
+        if chosen <= {"dense"} and self.predictions:
+            totals: dict[str, float] = {}
+            for seconds in self.predictions.values():
+                for name, value in seconds.items():
+                    if name != "dense":
+                        totals[name] = totals.get(name, 0.0) + value
+            if totals:
+                names.append(min(totals, key=totals.get))
+            names = [name for name in names if name != MODEL]  # the model is dense here
+        return list(dict.fromkeys(name for name in names if name in (DENSE, MODEL) or name in self._forceable()))
+
+    def _forceable(self) -> set[str]:
+        names = {"allgather"}
+        if self.config.index_codec.lossless:
+            names.add("sparse-allreduce")
+            if self.local_size() > 1:
+                names.add("hierarchical")
+        return names
+
+    def _per_rank_strategy(self, group: Group, policy: str) -> str:
         """allgather / sparse-allreduce / hierarchical / dense for a per-rank support."""
         config = self.config
         if config.collective == "sparse-allreduce":
@@ -212,15 +230,30 @@ class Planner:
         if config.collective != "auto" or self.world_size == 1:
             return "allgather"
         signature = group.signature()
-        if signature not in self.choices:
+        if signature not in self.choices:  # a new layout (choices of known ones come back from checkpoints)
             if self.calibration is None:
                 self.calibration = calibrate(self.process_group, self.world_size, index_codec=config.index_codec,
                                              value_codec=config.value_codec, link_gbit=config.link_gbit,
-                                             link_alpha=config.link_alpha)
+                                             link_alpha=config.link_alpha, sparsifier=self.sparsifier,
+                                             device=group.device)
             k = self.target_k(group)
             costs = candidates(numel=group.numel, k=k, world_size=self.world_size,
                                bytes_per_entry=entry_bytes(config.index_codec, config.value_codec, numel=group.numel,
                                                            k=k),
-                               sparse_allreduce=config.index_codec.lossless, local_size=self.local_size())
-            self.choices[signature] = choose_strategy(self.calibration, costs, intra=IN_NODE_LINK)
-        return self.choices[signature]
+                               sparse_allreduce=config.index_codec.lossless, local_size=self.local_size(),
+                               calibration=self.calibration)
+            self.predictions[signature] = predicted_seconds(self.calibration, costs, intra=IN_NODE_LINK)
+            self.choices[signature] = _cheapest(self.predictions[signature])
+        if policy == MODEL:
+            return self.choices[signature]
+        return policy
+
+
+def _cheapest(seconds: dict[str, float]) -> str:
+    """:func:`~gradwire.exchange.alphabeta.choose` over predicted seconds: never a strategy
+    predicted no faster than dense; ties go to the earlier name."""
+    from ..exchange.alphabeta import STRATEGIES
+
+    order = {name: i for i, name in enumerate(STRATEGIES)}
+    best = min(seconds, key=lambda name: (seconds[name], order.get(name, len(order))))
+    return best if seconds[best] < seconds["dense"] else "dense"

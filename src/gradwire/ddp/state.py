@@ -130,6 +130,7 @@ class CommHookState:
         """Last step's and cumulative bytes and seconds; see :class:`gradwire.core.stats.ExchangeStats`."""
         snapshot = self.pipeline.stats.snapshot()
         snapshot["residual_norm"] = self.feedback.norm() if self.feedback is not None else 0.0
+        snapshot.update(self.pipeline.summary())
         return snapshot
 
     def describe(self) -> str:

@@ -2,7 +2,10 @@
 
 A strategy is predicted to take, per step and per bucket,
 
-    time = α · rounds  +  β · bytes  +  γ · decoded_entries
+    time = α · rounds  +  β · bytes  +  γ · decoded_entries  +  cpu
+
+* ``cpu``: seconds of work before anything travels (compensation, selection, encoding), which the
+  caller measures for its sparsifier and codecs (:mod:`gradwire.core.costs`); zero for dense;
 
 * ``rounds``: message steps one after another on the critical path (a ring AllReduce over p ranks
   takes ``2(p-1)``, a ring AllGather ``p-1``, a pairwise ``all_to_all`` ``p-1``);
@@ -90,11 +93,14 @@ class Cost:
     decoded_entries: float
     intra_rounds: float = 0.0
     intra_bytes: float = 0.0
+    #: seconds of CPU work the strategy needs before anything travels (selection, encoding), as the
+    #: caller measured them; dense needs none
+    cpu_seconds: float = 0.0
 
     def seconds(self, link: Link, *, decode_per_entry: float = 0.0, intra: Optional[Link] = None) -> float:
         inner = intra or link
         return (link.alpha * self.rounds + link.beta * self.bytes_sent + decode_per_entry * self.decoded_entries
-                + inner.alpha * self.intra_rounds + inner.beta * self.intra_bytes)
+                + inner.alpha * self.intra_rounds + inner.beta * self.intra_bytes + self.cpu_seconds)
 
 
 def dense_allreduce(numel: int, world_size: int, element_bytes: int = 4) -> Cost:

@@ -297,6 +297,9 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "wire": holder.get("wire"),
         "strategy_buckets": {key[len("count_"):-len("_buckets")]: value for key, value in
                              (records[-1] if records else {}).items() if key.endswith("_buckets")},
+        #: ``collective="auto"``'s policy at the end and the seconds per step its last trial measured
+        "auto": {key[len("auto_"):]: value for key, value in (records[-1] if records else {}).items()
+                 if key.startswith("auto_")},
         "config": asdict(config),
     }
     return summary
@@ -378,8 +381,9 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 record.update({"seconds_compress": stats["seconds_sparsify"] + stats["seconds_encode"],
                                "seconds_communicate": stats["seconds_communicate"],
                                "seconds_decompress": stats["seconds_decode"], "bytes_sent": stats["bytes_sent"]})
-                # buckets per strategy so far: which exchange ``auto`` took
-                record.update({key: value for key, value in stats.items() if key.endswith("_buckets")})
+                # buckets per strategy so far: which exchange ``auto`` took, and what it measured
+                record.update({key: value for key, value in stats.items()
+                               if key.endswith("_buckets") or key.startswith("auto_")})
             else:
                 parameters = sum(p.numel() for p in ddp.parameters() if p.requires_grad)
                 record["bytes_sent"] = _hook_bytes_per_step(spec, parameters, world)

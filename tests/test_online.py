@@ -1,0 +1,117 @@
+"""``collective="auto"`` checks its choice on real rounds: the trial schedule, the decision rule,
+and the switch on the same round on every rank when the ranks measure different times."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import gradwire
+from gradwire.core.online import DENSE, MODEL, OnlineChoice
+
+from .distributed import run_workers
+
+
+def test_a_trial_interleaves_the_candidates_after_one_warm_in_round_each() -> None:
+    online = OnlineChoice(trial_rounds=2)
+    assert online.due(10) and online.policy(10) == MODEL
+    online.start_trial(10, [MODEL, DENSE])
+    assert [online.policy(r) for r in range(10, 17)] == [MODEL, DENSE, MODEL, DENSE, MODEL, DENSE, MODEL]
+    assert not online.due(11)
+
+
+def _run_trial(online: OnlineChoice, start: int, seconds: dict[str, list[float]]) -> None:
+    """Feed every round of a trial its candidate's next time (every rank reports the same)."""
+    used = {name: iter(times) for name, times in seconds.items()}
+    online.start_trial(start, list(seconds))
+    for round_index in range(start, start + len(seconds) * (1 + online.trial_rounds)):
+        online.observe(round_index, [next(used[online.policy(round_index)])])
+
+
+def test_the_faster_policy_wins_only_by_the_margin_and_warm_ins_do_not_count() -> None:
+    online = OnlineChoice(trial_rounds=3, margin=0.05)
+    # the warm-in rounds (first of each) are slow for the model and must not count
+    _run_trial(online, 0, {MODEL: [9.0, 1.00, 1.02, 0.98], DENSE: [1.0, 0.97, 0.96, 0.97]})
+    assert online.current == MODEL and online.measured == {MODEL: 1.0, DENSE: 0.97}  # 3% faster: no switch
+    online2 = OnlineChoice(trial_rounds=3, margin=0.05)
+    _run_trial(online2, 0, {MODEL: [1.0, 1.3, 1.2, 1.25], DENSE: [1.0, 1.0, 0.99, 1.01]})
+    assert online2.current == DENSE and online2.switches == [(8, DENSE)]
+    assert online2.summary()["auto_policy"] == DENSE and online2.summary()["auto_seconds_model"] == 1.25
+
+
+def test_a_round_counts_at_its_slowest_rank() -> None:
+    online = OnlineChoice(trial_rounds=1, margin=0.05)
+    online.start_trial(0, [MODEL, DENSE])
+    for round_index, times in enumerate([[1, 1], [1, 1], [0.5, 2.0], [1.0, 1.1]]):  # model fast on rank 0 only
+        online.observe(round_index, times)
+    assert online.measured == {MODEL: 2.0, DENSE: 1.1} and online.current == DENSE
+
+
+def test_the_online_state_survives_a_checkpoint_and_refuses_garbage() -> None:
+    online = OnlineChoice(trial_rounds=2)
+    online.start_trial(5, [MODEL, DENSE])
+    online.observe(5, [1.0])
+    online.observe(7, [2.0])
+    restored = OnlineChoice()
+    restored.load_state_dict(online.state_dict())
+    assert [restored.policy(r) for r in range(5, 11)] == [online.policy(r) for r in range(5, 11)]
+    assert restored.state_dict() == online.state_dict()
+    with pytest.raises(ValueError, match="'planner' online state is malformed"):
+        OnlineChoice().load_state_dict({"current": "model"})
+
+
+def worker_switch(rank: int, world_size: int, slow_rank: int, slow_under: str) -> dict:
+    """``slow_rank`` sleeps 80 ms in every step that runs under ``slow_under``: only that rank
+    measures the difference, and every rank must still switch on the same round."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    exchange = gradwire.GradientExchange(model, compressor="topk", density=0.05, collective="auto", link_gbit=0.001)
+    planner_policies = []
+    for step in range(22):
+        model.zero_grad()
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        model(torch.randn(16, 64, generator=generator)).square().mean().backward()
+        planner = exchange.pipeline.planner
+        policy = planner.online.policy(step) if planner is not None and planner.online is not None else MODEL
+        if rank == slow_rank and policy == slow_under:
+            time.sleep(0.08)
+        planner_policies.append(policy)
+        exchange.synchronize()
+    stats = exchange.stats()
+    return {"policies": planner_policies, "switches": exchange.pipeline.planner.online.switches,
+            "policy": stats["auto_policy"], "choices": sorted(set(exchange.pipeline.planner.choices.values()))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow_under, expected", [(MODEL, DENSE), (DENSE, MODEL)])
+def test_the_online_switch_happens_on_the_same_round_on_every_rank(slow_under: str, expected: str) -> None:
+    results = run_workers(worker_switch, 3, 1, slow_under, timeout=100)
+    assert all(r["choices"] and "dense" not in r["choices"] for r in results), results  # the model chose compression
+    assert len({tuple(r["policies"]) for r in results}) == 1  # every rank ran the same policy every round
+    assert len({tuple(map(tuple, r["switches"])) for r in results}) == 1
+    assert all(r["policy"] == expected for r in results), results
+    if expected == DENSE:  # the slow rank's model rounds decided it for everyone
+        assert results[0]["switches"] and results[0]["switches"][0][1] == DENSE
+        assert results[0]["policies"][-1] == DENSE
+
+
+def test_a_planners_choices_and_online_state_come_back_from_its_state_dict() -> None:
+    """A resumed ``auto`` run continues with the choices it had, not a new calibration's."""
+    from gradwire.core.config import ExchangeConfig
+    from gradwire.core.planner import Planner
+
+    config = ExchangeConfig(compressor="topk", density=0.01, collective="auto")
+    planner = Planner(config, config.build_sparsifier(), None, 4)
+    planner.choices = {(1000, 3, 4): "sparse-allreduce", (50, 5): "dense"}
+    planner.predictions = {(1000, 3, 4): {"dense": 0.2, "sparse-allreduce": 0.1}}
+    planner.online.start_trial(12, [MODEL, DENSE])
+    saved = planner.state_dict()
+    restored = Planner(config, config.build_sparsifier(), None, 4)
+    restored.load_state_dict(saved)
+    assert restored.choices == planner.choices and restored.predictions == planner.predictions
+    assert [restored.online.policy(r) for r in range(12, 20)] == [planner.online.policy(r) for r in range(12, 20)]
+    assert Planner(config.replace(collective="allgather"), config.build_sparsifier(), None, 4).state_dict() is None
+    with pytest.raises(ValueError, match="'planner' is malformed"):
+        restored.load_state_dict({"choices": [["x", "dense"]]})
