@@ -68,7 +68,9 @@ class ErrorFeedback:
 
         ``compensated`` is consumed (modified in place and stored).
         """
-        compensated[indices] -= received.to(compensated.dtype)
+        # one fused scatter (indices are distinct): the same bits as ``compensated[indices] -= received``,
+        # without its gather and separate subtraction
+        compensated.index_add_(0, indices, received.to(compensated.dtype), alpha=-1)
         previous = self.residuals.get(key)
         self.residuals[key] = compensated
         if previous is not None and previous is not compensated:

@@ -63,7 +63,7 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, *, index_codec: Index
                   value_codec: ValueCodec) -> EncodedBucket:
     """Encode the parts of one group (``group_numel`` elements in its flat space)."""
     if parts and joins(index_codec):
-        values = torch.cat([p.compensated[p.indices] for p in parts])
+        values = torch.cat([torch.index_select(p.compensated, 0, p.indices) for p in parts])
         positions = torch.cat([p.indices + p.offset for p in parts])
         order = None
         if any(b.offset < a.offset for a, b in zip(parts, parts[1:])):
@@ -82,7 +82,7 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, *, index_codec: Index
                 for p, values in zip(parts, torch.split(part_values, counts))]
         return EncodedBucket(encoded.payload, positions, received, sent)
     encoded = codec_layer.encode_tensors(
-        [(p.compensated[p.indices], p.indices, p.compensated.numel()) for p in parts],
+        [(torch.index_select(p.compensated, 0, p.indices), p.indices, p.compensated.numel()) for p in parts],
         index_codec, value_codec, check=False, dense=[p.compensated for p in parts],
     )
     sent = [SparseTensor(t.values, t.indices, p.compensated.numel()) for t, p in zip(encoded.tensors, parts)]

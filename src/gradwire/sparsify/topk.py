@@ -128,12 +128,15 @@ def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> Optiona
     says a scan would keep nearly everything (pick over everything instead)."""
     sample = sample.abs().float().nan_to_num_(nan=-1.0)
     size = sample.numel()
+    values = sample.numpy() if sample.device.type == "cpu" else None
     # Expected k*size/numel sample elements lie above the true k-th magnitude; aim for a rank
     # well beyond that (mean + 4 standard deviations + 8) so that one scan almost always suffices.
     expected = k * size / numel
     rank = expected + 4.0 * math.sqrt(expected) + 8.0
     while rank < size:
-        threshold = float(torch.kthvalue(sample, size - int(rank) + 1).values)
+        order = size - int(rank)  # 0-based: the (order+1)-th smallest, as torch.kthvalue(order + 1)
+        threshold = (float(np.partition(values, order)[order]) if values is not None
+                     else float(torch.kthvalue(sample, order + 1).values))
         if threshold <= 0.0:
             return None  # mostly zeros: a scan would keep nearly everything
         candidates = scan(threshold)
@@ -145,7 +148,7 @@ def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> Optiona
 
 def _finish(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """The exact top-k among the candidates (which hold every element at or above the k-th)."""
-    return candidates[topk_indices(flat[candidates].abs(), k)]
+    return candidates[topk_indices(torch.index_select(flat, 0, candidates).abs_(), k)]
 
 
 def _compensate_into(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:

