@@ -75,7 +75,9 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     not NaN), on every path.
     """
     numel = flat.numel()
-    if numel < SCAN_MIN_NUMEL or k > SCAN_MAX_DENSITY * numel:
+    # on a GPU, torch.topk is a radix select and needs no host sync; the sampled threshold's scan
+    # would sync twice per tensor (the threshold, the candidates' count)
+    if flat.device.type != "cpu" or numel < SCAN_MIN_NUMEL or k > SCAN_MAX_DENSITY * numel:
         return topk_indices(_magnitudes_nan_last(flat), k)
     found = _scan_from_sample(flat[:: max(1, numel // SAMPLE_SIZE)], numel, k,
                               lambda threshold: indices_at_or_above(flat, threshold))
