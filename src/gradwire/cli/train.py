@@ -25,7 +25,10 @@ from typing import Any, Optional
 from ..tables import format_table
 from .launch import LOOPBACK, MAX_WORKERS, launch
 
-DEFAULT_METHODS = ["allreduce", "topk:density=0.01,values=fp16,indices=rice"]
+#: dense, top-k 1% through the payload AllGather (what the bytes saved look like), and the same with
+#: collective="auto", which measures its choice (on a fast local link it ends dense, and says why)
+DEFAULT_METHODS = ["allreduce", "topk:density=0.01,values=fp16,indices=rice,collective=allgather",
+                   "topk:density=0.01,values=fp16,indices=rice,collective=auto"]
 DEFAULT_WORKERS = 2
 DEFAULT_BANDWIDTH, DEFAULT_LATENCY = "1gbit", "0.5ms"
 #: shown in the tables where a number does not exist (see the note printed under them)
