@@ -1,0 +1,84 @@
+"""``collective="auto"`` against every fixed strategy, in one launch per cell (issue 17's matrix).
+
+    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 18]
+
+For each model in {mlp, resnet18} and each link in {loopback, 1 Gbit/s, 100 Mbit/s} (the emulated
+cluster; root) and p in {2, 4}, ``gradwire bench e2e`` trains, in one launch, dense AllReduce,
+top-k 1% (fp16/Rice) through the payload AllGather, through the sparse AllReduce, and under
+``collective=auto``; the cell reports auto's seconds per step over the fastest fixed strategy's
+and over dense's (both measured in the same launch), and what auto ended on.
+
+The warm-up steps are untimed and long enough for auto's first trial (it starts 8 rounds after
+the first and takes 8 rounds: so from step 16 on auto runs what it chose): the matrix compares
+steady states. The trial's own cost — half of 8 rounds under the slower candidate, once per 200
+rounds — is reported beside it from the trial's measured times. Prints a table and writes
+``matrix.json``; the raw runs stay in ``--out/<model>-<links>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+METHODS = {
+    "dense": "allreduce",
+    "allgather": "topk:density=0.01,values=fp16,indices=rice,collective=allgather",
+    "sparse-allreduce": "topk:density=0.01,values=fp16,indices=rice,collective=sparse-allreduce",
+    "auto": "topk:density=0.01,values=fp16,indices=rice,collective=auto",
+}
+LINKS = {"loopback": ["--local"], "cluster": ["--bandwidths", "1gbit,100mbit"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench-out/auto-matrix")
+    parser.add_argument("--models", default="mlp,resnet18")
+    parser.add_argument("--workers", default="2,4")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
+    parser.add_argument("--warmup-steps", type=int, default=18, help="untimed steps first (default 18)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table from the saved runs")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    cells = []
+    for model in args.models.split(","):
+        for links, flags in LINKS.items():
+            folder = out / f"{model}-{links}"
+            if not args.report_only:
+                command = [sys.executable, "-m", "gradwire", "bench", "e2e", "--model", model, "--data", "synthetic",
+                           "--workers", args.workers, "--steps", str(args.steps), "--warmup-steps",
+                           str(args.warmup_steps), "--batch-size", str(args.batch_size), "--out", str(folder),
+                           *flags, *[arg for spec in METHODS.values() for arg in ("--method", spec)]]
+                print("+", " ".join(command), flush=True)
+                subprocess.run(command, check=True)
+            rows = json.loads((folder / "results.json").read_text())["rows"]
+            for key in sorted({(r["workers"], r["bandwidth"]) for r in rows}):
+                by_method = {r["method"]: r for r in rows if (r["workers"], r["bandwidth"]) == key}
+                seconds = {name: by_method[spec]["seconds_per_step"] for name, spec in METHODS.items()}
+                fixed = {name: value for name, value in seconds.items() if name != "auto"}
+                fastest = min(fixed, key=fixed.get)
+                auto_summary = by_method[METHODS["auto"]].get("auto") or {}
+                cells.append({"model": model, "link": key[1], "workers": key[0], **{f"{n}_s": v for n, v in seconds.items()},
+                              "fastest_fixed": fastest, "auto_over_fastest": seconds["auto"] / fixed[fastest],
+                              "auto_over_dense": seconds["auto"] / seconds["dense"],
+                              "auto_policy": auto_summary.get("policy"),
+                              "auto_trial": {k: v for k, v in auto_summary.items() if k.startswith("seconds_")}})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.json").write_text(json.dumps(cells, indent=2))
+    print("\n| model | link | p | dense s | allgather s | sparse-allreduce s | auto s | auto policy | "
+          "auto / fastest fixed | auto / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        print(f"| {c['model']} | {c['link']} | {c['workers']} | {c['dense_s']:.3f} | {c['allgather_s']:.3f} | "
+              f"{c['sparse-allreduce_s']:.3f} | {c['auto_s']:.3f} | {c['auto_policy']} | "
+              f"{c['auto_over_fastest']:.3f} ({c['fastest_fixed']}) | {c['auto_over_dense']:.3f} |")
+    met = all(c["auto_over_fastest"] <= 1.05 and c["auto_over_dense"] <= 1.05 for c in cells)
+    print(f"\ntarget (every cell: auto <= 1.05x the fastest fixed and <= 1.05x dense): {'met' if met else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
