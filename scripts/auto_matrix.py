@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 fixed = {name: value for name, value in seconds.items() if name != "auto"}
                 fastest = min(fixed, key=fixed.get)
                 auto_summary = by_method[METHODS["auto"]].get("auto") or {}
-                cells.append({"model": model, "link": key[1], "workers": key[0], **{f"{n}_s": v for n, v in seconds.items()},
+                cells.append({"model": model, "link": key[1], "workers": key[0],
+                              **{f"{n}_s": v for n, v in seconds.items()},
                               "fastest_fixed": fastest, "auto_over_fastest": seconds["auto"] / fixed[fastest],
                               "auto_over_dense": seconds["auto"] / seconds["dense"],
                               "auto_policy": auto_summary.get("policy"),
