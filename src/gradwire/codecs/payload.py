@@ -255,10 +255,12 @@ def decode_tensors(
     if expected_numels is not None:
         sizes = [record[4] for record in records]
         require(sizes == list(expected_numels),
-                f"payload describes {len(sizes)} tensors of sizes {sizes[:4]}..., expected {list(expected_numels)[:4]}...")
+                f"payload describes {len(sizes)} tensors of sizes {sizes[:4]}..., "
+                f"expected {list(expected_numels)[:4]}...")
     if max_numel is not None:
         largest = max((record[4] for record in records), default=0)
-        require(largest <= max_numel, f"payload describes a tensor of {largest} elements, more than max_numel={max_numel}")
+        require(largest <= max_numel,
+                f"payload describes a tensor of {largest} elements, more than max_numel={max_numel}")
     elif expected_numels is None:
         _check_budget(records, len(view))
     out = []

@@ -447,8 +447,10 @@ class BloomIndexCodec(IndexCodec):
         policy, h, seed, k, m = _HEADER.unpack_from(data, 0)
         require(policy < len(POLICIES), f"unknown bloom policy {policy}")
         require(1 <= h <= MAX_HASHES, f"bloom hash count {h} is not in [1, {MAX_HASHES}]")
-        require(8 <= m <= MAX_FILTER_BITS and m % 8 == 0, f"bloom filter size {m} bits is not a multiple of 8 in [8, 2**32]")
-        require(len(data) - _HEADER.size == m // 8, f"bloom filter has {len(data) - _HEADER.size} bytes, header says {m // 8}")
+        require(8 <= m <= MAX_FILTER_BITS and m % 8 == 0,
+                f"bloom filter size {m} bits is not a multiple of 8 in [8, 2**32]")
+        require(len(data) - _HEADER.size == m // 8,
+                f"bloom filter has {len(data) - _HEADER.size} bytes, header says {m // 8}")
         require(k <= numel, f"bloom filter holds {k} indices for a tensor of {numel}")
         if policy == 0:
             require(count >= k, f"p0 sends every positive, at least the {k} inserted, not {count}")

@@ -117,5 +117,6 @@ class DeflateIndexCodec(IndexCodec):
             raise DecodeError(f"malformed deflate stream: {error}") from error
         require(len(raw) == expected, f"deflate stream produced {len(raw)}+ bytes, expected {expected}")
         require(decompressor.eof, "deflate stream is truncated")
-        require(not decompressor.unused_data and not decompressor.unconsumed_tail, "trailing bytes after the deflate stream")
+        require(not decompressor.unused_data and not decompressor.unconsumed_tail,
+                "trailing bytes after the deflate stream")
         return _positions(raw, width, numel)

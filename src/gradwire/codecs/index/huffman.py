@@ -134,7 +134,8 @@ class HuffmanIndexCodec(IndexCodec):
         code_stream = np.frombuffer(reader.take(read_varint(reader, "code bytes"), "code stream"), dtype=np.uint8)
         mantissa_stream = np.frombuffer(reader.rest(), dtype=np.uint8)
         if count == 0:
-            require(alphabet == 0 and code_stream.size == 0 and mantissa_stream.size == 0, "non-empty section for no indices")
+            require(alphabet == 0 and code_stream.size == 0 and mantissa_stream.size == 0,
+                    "non-empty section for no indices")
             return np.zeros(0, dtype=np.int64)
         require(any(lengths), "code table is empty")
         require(

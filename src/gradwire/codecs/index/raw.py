@@ -29,5 +29,6 @@ class RawIndexCodec(IndexCodec):
         require(len(data) >= 1, "raw index section is empty")
         width = data[0]
         require(width in (4, 8), f"raw index width {width} is not 4 or 8")
-        require(len(data) == 1 + width * count, f"raw index section has {len(data)} bytes, expected {1 + width * count}")
+        require(len(data) == 1 + width * count,
+                f"raw index section has {len(data)} bytes, expected {1 + width * count}")
         return np.frombuffer(data[1:], dtype=f"<u{width}").astype(np.int64)

@@ -149,7 +149,8 @@ class QSGDCodec(ValueCodec):
         # checked before anything of size count is allocated
         require(
             reader.remaining == 4 * buckets + code_bytes,
-            f"qsgd section has {reader.remaining + _HEADER_BYTES} bytes, expected {_HEADER_BYTES + 4 * buckets + code_bytes}",
+            f"qsgd section has {reader.remaining + _HEADER_BYTES} bytes, "
+            f"expected {_HEADER_BYTES + 4 * buckets + code_bytes}",
         )
         norms = np.frombuffer(reader.take(4 * buckets, "qsgd norms"), dtype="<f4")
         require(bool(np.isfinite(norms).all() and (norms >= 0).all()), "qsgd norm is negative or not finite")
