@@ -152,10 +152,14 @@ def hierarchical_sparse_allreduce(*, dense: torch.Tensor, k: int, hierarchy: Hie
     absolute = (inner.indices + start).view(torch.int32).reshape(-1, 2)
     entries = torch.cat([absolute, inner.values.view(torch.int32)[:, None]], dim=1).reshape(-1)
     block = torch.cat([torch.tensor([int(inner.finite)], dtype=torch.int32, device=entries.device), entries])
-    gathered, lengths = allgatherv(block, hierarchy.intra, what=WHAT, collective="intra-node allgather all_to_all_single")
+    gathered, lengths = allgatherv(block, hierarchy.intra, what=WHAT,
+                                   collective="intra-node allgather all_to_all_single")
     parts = [part.reshape(-1) for part in torch.split(gathered, lengths)]
     finite = all(bool(part[0]) for part in parts)
-    words = torch.cat([part[1:] for part in parts]).reshape(-1, 3) if finite else torch.zeros(0, 3, dtype=torch.int32, device=entries.device)
+    if finite:
+        words = torch.cat([part[1:] for part in parts]).reshape(-1, 3)
+    else:
+        words = torch.zeros(0, 3, dtype=torch.int32, device=entries.device)
     indices = words[:, :2].reshape(-1).view(torch.int64)
     values = words[:, 2].contiguous().view(torch.float32)
     sent = {"intra-node reduce-scatter": intra_bytes,

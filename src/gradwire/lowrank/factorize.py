@@ -134,7 +134,8 @@ def factorize(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[s
                 reason = f"no parameter savings at rank {_ranks_text(replacement.ranks)}"
                 replacement = None
         if replacement is None:
-            decisions.append(LayerDecision(name, type(module).__name__, _shape(module), False, (), params, params, reason))
+            decisions.append(LayerDecision(name, type(module).__name__, _shape(module), False, (), params, params,
+                                           reason))
             continue
         decisions.append(LayerDecision(name, type(module).__name__, _shape(module), True, replacement.ranks,
                                        params, _count(replacement), "factorized"))

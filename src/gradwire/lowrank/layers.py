@@ -243,8 +243,10 @@ class LowRankLSTM(nn.Module):
                 r = ranks_ih[layer]
                 self.register_parameter(f"weight_ih_{name}_first", nn.Parameter(torch.empty(4 * r, layer_input, **kw)))
                 self.register_parameter(f"weight_ih_{name}_second", nn.Parameter(torch.empty(4, hidden_size, r, **kw)))
-                self.register_parameter(f"weight_hh_{name}_first", nn.Parameter(torch.empty(4 * rank_hh, hidden_size, **kw)))
-                self.register_parameter(f"weight_hh_{name}_second", nn.Parameter(torch.empty(4, hidden_size, rank_hh, **kw)))
+                self.register_parameter(f"weight_hh_{name}_first",
+                                        nn.Parameter(torch.empty(4 * rank_hh, hidden_size, **kw)))
+                self.register_parameter(f"weight_hh_{name}_second",
+                                        nn.Parameter(torch.empty(4, hidden_size, rank_hh, **kw)))
                 if bias:
                     self.register_parameter(f"bias_ih_{name}", nn.Parameter(torch.zeros(4 * hidden_size, **kw)))
                     self.register_parameter(f"bias_hh_{name}", nn.Parameter(torch.zeros(4 * hidden_size, **kw)))
@@ -276,7 +278,8 @@ class LowRankLSTM(nn.Module):
                     dense = getattr(lstm, f"weight_{kind}_{name}")
                     # (4*hidden, in) -> one (hidden, in) matrix per gate, factorized as a batch.
                     first, second = svd_factors(dense.reshape(4, hidden, -1), rank)
-                    _copy_(getattr(module, f"weight_{kind}_{name}_first"), first.reshape(4 * rank, -1), dense.requires_grad)
+                    _copy_(getattr(module, f"weight_{kind}_{name}_first"), first.reshape(4 * rank, -1),
+                           dense.requires_grad)
                     _copy_(getattr(module, f"weight_{kind}_{name}_second"), second, dense.requires_grad)
                     if lstm.bias:
                         dense_bias = getattr(lstm, f"bias_{kind}_{name}")
@@ -447,7 +450,8 @@ class LowRankMultiheadAttention(nn.Module):
             if mask.dim() == 3:
                 mask = mask.view(batch, heads, target_len, source_len)
         elif is_causal:
-            mask = _additive_mask(torch.ones(target_len, source_len, dtype=torch.bool, device=q.device).triu(1), q.dtype)
+            causal = torch.ones(target_len, source_len, dtype=torch.bool, device=q.device).triu(1)
+            mask = _additive_mask(causal, q.dtype)
         if key_padding_mask is not None:
             padding = _additive_mask(key_padding_mask, q.dtype).view(batch, 1, 1, source_len)
             mask = padding if mask is None else mask + padding
@@ -471,4 +475,5 @@ class LowRankMultiheadAttention(nn.Module):
         return output, weights
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, ranks={self.ranks}, batch_first={self.batch_first}"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, ranks={self.ranks}, "
+                f"batch_first={self.batch_first}")

@@ -15,7 +15,8 @@ by exactly one of
 Non-finite inputs: the selection never checks for them. NaN compares false, so threshold-based
 selection (``threshold``, ``sampled-topk``, ``gaussian-k``) never keeps a NaN (but ``±inf``
 passes any threshold); ``topk`` ranks NaN below every number, so keeps it only when fewer
-than ``k`` elements are not NaN; the random sparsifiers ignore values altogether. Callers check gradients for NaN/Inf before sparsifying.
+than ``k`` elements are not NaN; the random sparsifiers ignore values altogether. Callers check
+gradients for NaN/Inf before sparsifying.
 """
 
 from __future__ import annotations
