@@ -52,5 +52,6 @@ def instantiate(kind: str, registry: dict[str, type], name: Any, params: dict[st
     allowed = cls.parameter_names()
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ValueError(f"{kind} {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}")
+        raise ValueError(f"{kind} {name!r} has no option {', '.join(unknown)}; "
+                         f"allowed: {', '.join(allowed) or '(none)'}")
     return cls(**params)

@@ -43,7 +43,8 @@ SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
+    parser.add_argument("--numel", type=int, default=1 << 24,
+                        help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
     parser.add_argument("--sources", default=",".join(SOURCES),
                         help="comma-separated: " + ", ".join(SOURCES))
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the best is kept")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall time, or this process's CPU time (with --threads 1: an idle core's time on a loaded machine)")
+                        help="wall time, or this process's CPU time "
+                             "(with --threads 1: an idle core's time on a loaded machine)")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
 
 
@@ -96,7 +98,8 @@ def mnist_gradient(steps: int = 3, seed: int = 0) -> torch.Tensor:
     train, _ = load("mnist5k")
     model = build_model("cnn", num_classes=10, in_channels=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True,
+                                         generator=torch.Generator().manual_seed(seed))
     for step, (images, labels) in enumerate(loader):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(images), labels).backward()
@@ -268,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         extra["lstm_pairs"] = codec_workloads.lstm_rows(lstm_parts, args.lstm_density)
         print_lstm_pairs(extra["lstm_pairs"], args.lstm_density, sum(g.numel() for _, g in lstm_parts))
     if "embedding" in sources:
-        extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(codec_workloads.embedding_gradient())
+        embedding = codec_workloads.embedding_gradient()
+        extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(embedding)
         print_embedding(extra["embedding"], extra["embedding_info"])
     if "curvefit" in sources:
         extra["curvefit"] = codec_workloads.curvefit_rows()

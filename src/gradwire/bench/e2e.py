@@ -44,7 +44,8 @@ PHASES = ("seconds_forward", "seconds_backward", "seconds_compress", "seconds_de
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--data", default=None)
-    parser.add_argument("--method", action="append", dest="methods", metavar="SPEC", help="repeatable (default: a set of 8)")
+    parser.add_argument("--method", action="append", dest="methods", metavar="SPEC",
+                        help="repeatable (default: a set of 8)")
     parser.add_argument("--bandwidths", default="100mbit,1gbit,10gbit", help="comma-separated tc rates")
     parser.add_argument("--latency", default="0.5ms")
     parser.add_argument("--workers", default="4", help="comma-separated worker counts")
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat floors and methods this many times; report medians over rounds")
-    parser.add_argument("--local", action="store_true", help="loopback instead of namespaces (no root needed; no rate limit)")
+    parser.add_argument("--local", action="store_true",
+                        help="loopback instead of namespaces (no root needed; no rate limit)")
     parser.add_argument("--accuracy", action="store_true",
                         help="also run MNIST-5k accuracy runs (cnn, 2 workers, --accuracy-epochs epochs) per method")
     parser.add_argument("--accuracy-epochs", type=int, default=5)
@@ -68,9 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidth: str | None, *,
-            compute_only: bool = False, barrier: bool = False, model: str | None = None, epochs: int = 1, full_epochs: bool = False,
-            out: str | None = None, data: str | None = None, warmup_steps: int | None = None,
-            seed: int = 0) -> list[dict[str, Any]]:
+            compute_only: bool = False, barrier: bool = False, model: str | None = None, epochs: int = 1,
+            full_epochs: bool = False, out: str | None = None, data: str | None = None,
+            warmup_steps: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     from ..cli.train import launch
     from ..harness.training import TrainConfig
 
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
                 tag = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
                 print(f"== {workers} workers, {label}: compute-only floor{tag}", flush=True)
                 floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True)[0])
-                synced_floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True, barrier=True)[0])
+                synced_floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True,
+                                             barrier=True)[0])
                 order = methods if round_index % 2 == 0 else methods[::-1]
                 print(f"== {workers} workers, {label}: {len(methods)} methods{tag}", flush=True)
                 for summary in _launch(order, args, workers, bandwidth):
@@ -243,14 +246,17 @@ def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
     for (workers, link) in dict.fromkeys((r["workers"], r["bandwidth"]) for r in rows):
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
         synced = group[0].get("synced_floor_seconds")
-        floors = f"floor {group[0]['floor_seconds']:.3f} s/step" + (f", with a barrier per step {synced:.3f}" if synced else "")
+        floors = f"floor {group[0]['floor_seconds']:.3f} s/step"
+        if synced:
+            floors += f", with a barrier per step {synced:.3f}"
         if group[0].get("rounds", 1) > 1:
             floors += f"; medians of {group[0]['rounds']} rounds"
         lines += [f"## {workers} workers, {link} ({floors})", "",
-                  "| method | s/step | x allreduce | overhead | MB/step | params | status |", "|---|---|---|---|---|---|---|"]
+                  "| method | s/step | x allreduce | overhead | MB/step | params | status |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['seconds_per_step']:.3f} | {r['ratio_to_allreduce']:.2f} | "
-                  f"{100 * r['communication_overhead']:.0f}% | {_megabytes(r['bytes_per_step'])} | {r['parameters']:,} | "
-                  f"{r.get('status', 'ok')} |" for r in group]
+                  f"{100 * r['communication_overhead']:.0f}% | {_megabytes(r['bytes_per_step'])} | "
+                  f"{r['parameters']:,} | {r.get('status', 'ok')} |" for r in group]
         lines.append("")
     if accuracy:
         epochs = accuracy[0].get("config", {}).get("epochs", "?")
@@ -284,7 +290,8 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
             bottom = [b + h for b, h in zip(bottom, heights)]
         axis.axhline(group[0]["floor_seconds"], color="black", linestyle="--", label="compute-only floor")
         axis.set_ylabel("seconds per step (median)")
-        axis.set_title(f"Time per step by phase — {workers} workers, {link}\n(backward includes waiting for the exchange)")
+        axis.set_title(f"Time per step by phase — {workers} workers, {link}\n"
+                       "(backward includes waiting for the exchange)")
         axis.legend(fontsize=8)
         axis.tick_params(axis="x", labelsize=7)
         figure.tight_layout()
@@ -302,7 +309,8 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
             for index, (workers, link) in enumerate(settings):
                 values = []
                 for method in methods:
-                    match = [r for r in rows if r["method"] == method and r["workers"] == workers and r["bandwidth"] == link]
+                    match = [r for r in rows
+                             if r["method"] == method and r["workers"] == workers and r["bandwidth"] == link]
                     value = match[0][metric] if match else math.nan
                     values.append(0.0 if value != value else value)
                 axis.bar([i + index * width for i in range(len(methods))], values, width, label=f"{workers}w {link}")

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ms", type=float, default=100.0, help="time target per decode of a payload < 1 KB")
     parser.add_argument("--max-mib", type=float, default=64.0, help="memory target per decode of a payload < 1 KB")
     parser.add_argument("--costs", action="store_true",
-                        help="also measure each codec's decode of valid sections: peak bytes per (section byte + element)")
+                        help="also measure each codec's decode of valid sections: "
+                             "peak bytes per (section byte + element)")
     parser.add_argument("--json", metavar="PATH", help="also write the table and the worst cases as JSON")
 
 
@@ -100,7 +101,8 @@ def _consistent(tensors: Any) -> bool:
     for values, indices, numel in tensors:
         if values.shape != indices.shape or indices.dtype != torch.int64 or indices.numel() > numel:
             return False
-        if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel or not bool((indices[1:] > indices[:-1]).all())):
+        if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel
+                                or not bool((indices[1:] > indices[:-1]).all())):
             return False
     return True
 
@@ -240,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             done = int(case.label[1:]) + 1
             if not sys.stderr.isatty() and done % 5000 == 0:
-                print(f"{done} mutated payloads decoded, {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                print(f"{done} mutated payloads decoded, {time.perf_counter() - start:.0f} s", file=sys.stderr,
+                      flush=True)
     elapsed = time.perf_counter() - start
     tracemalloc.stop()
 

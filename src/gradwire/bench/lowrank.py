@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), metavar="MODEL",
                         help=f"models to measure (default: all of {', '.join(MODELS)})")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed iterations per model, median reported (default 5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed iterations per model, median reported (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for the timing (default 1)")
     parser.add_argument("--rank-ratio", type=float, default=0.25, help="rank / full rank (default 0.25)")
     parser.add_argument("--workers", type=int, default=4, help="p for the ring AllReduce volume (default 4)")

@@ -122,7 +122,8 @@ def project_point(numel: int, density: float, world_size: int, gbit: float, cons
     order = {name: i for i, name in enumerate(STRATEGY_NAMES)}
     winner = min(seconds, key=lambda name: (seconds[name], order[name]))
     # auto as the hook runs it: its own bytes-per-entry estimate from the codecs
-    value_codec, index_codec = ExchangeConfig(value_codec=constants.values, index_codec=constants.indices).build_codecs()
+    config = ExchangeConfig(value_codec=constants.values, index_codec=constants.indices)
+    value_codec, index_codec = config.build_codecs()
     estimate = entry_bytes(index_codec, value_codec, numel=numel, k=k)
     auto_costs = candidates(numel=numel, k=k, world_size=world_size, bytes_per_entry=estimate,
                             sparse_allreduce=True, local_size=_local(world_size, local_size))

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=1 << 24, help="elements of the gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
     parser.add_argument("--sparsifiers", default="all", help="comma-separated names or 'all'")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds, each running every sparsifier once (median and best reported)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds, each running every sparsifier once (median and best reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradient")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")

@@ -20,11 +20,13 @@ COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
     ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
     ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),
-    ("bench", "hook"): ("gradwire.bench.hook", "the hook's CPU per step by phase, against a one-pass memory floor"),
-    ("bench", "hostile"): ("gradwire.bench.hostile", "hostile and mutated payloads: only DecodeError, bounded time/memory"),
+    ("bench", "hook"): ("gradwire.bench.hook", "the hook's CPU per step by phase, "
+                                                "against a one-pass memory floor"),
+    ("bench", "hostile"): ("gradwire.bench.hostile", "hostile and mutated payloads: only DecodeError, "
+                                                      "bounded time/memory"),
     ("bench", "e2e"): ("gradwire.bench.e2e", "methods x bandwidths x workers on emulated rate-limited links"),
-    ("bench", "scaling"): ("gradwire.bench.scaling", "exchange strategies vs workers: measured on the emulated cluster, "
-                                                      "projected to 1024 by the alpha-beta model"),
+    ("bench", "scaling"): ("gradwire.bench.scaling", "exchange strategies vs workers: measured on the emulated "
+                                                      "cluster, projected to 1024 by the alpha-beta model"),
     ("lowrank", "summary"): ("gradwire.cli.lowrank_summary", "per-layer report of a factorized model"),
 }
 GROUP_HELP = {"bench": "benchmarks that print tables (and --json)", "lowrank": "Pufferfish low-rank models"}

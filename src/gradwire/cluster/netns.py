@@ -91,7 +91,8 @@ MIN_QUEUE_BYTES = 1024 * 1024
 #: where ``ip netns exec`` finds files to mount over /etc inside a namespace (iproute2's convention)
 NETNS_ETC = "/etc/netns"
 
-NEEDS_ROOT = "gradwire cluster needs root (CAP_NET_ADMIN) to create network namespaces; run as root or use local workers"
+NEEDS_ROOT = ("gradwire cluster needs root (CAP_NET_ADMIN) to create network namespaces; "
+              "run as root or use local workers")
 
 
 class ClusterError(RuntimeError):
@@ -293,7 +294,8 @@ def cluster_available() -> tuple[bool, str]:
     try:
         _run(["ip", "netns", "add", probe], "creating a probe namespace")
         try:
-            _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"], "creating a probe veth")
+            _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
+                 "creating a probe veth")
             _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
                   "latency", "10ms"], "adding a probe tbf qdisc")
         finally:
@@ -371,7 +373,8 @@ def _shape(namespace: str, device: str, spec: ClusterSpec, use_netem: bool) -> N
     params = tbf_parameters(spec.rate_bits)
     tbf = ["tbf", "rate", f"{spec.rate_bits}bit", "burst", str(params["burst"]), "limit", str(params["limit"])]
     if not use_netem:
-        _run(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf], f"shaping {device} in {namespace}")
+        _run(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf],
+             f"shaping {device} in {namespace}")
         return
     # netem first (holds each packet for the delay), tbf as its child (then paces it at the rate):
     # netem's own "rate" option is per-packet serialisation without bursts and GSO-unaware.
@@ -594,7 +597,8 @@ def _build(spec: ClusterSpec) -> bool:
             namespace, node_bridge = node_namespace(prefix, node), node_bridge_name(prefix, node)
             up_link, down_link = uplink_name(prefix, node), downlink_name(prefix, node)
             _run(["ip", "netns", "add", namespace], f"creating namespace {namespace}")
-            _run(["ip", "-n", namespace, "link", "add", node_bridge, "type", "bridge"], f"creating bridge {node_bridge}")
+            _run(["ip", "-n", namespace, "link", "add", node_bridge, "type", "bridge"],
+                 f"creating bridge {node_bridge}")
             _run(["ip", "-n", namespace, "link", "set", node_bridge, "up"], f"bringing up {node_bridge}")
             _run(["ip", "link", "add", up_link, "netns", namespace, "type", "veth", "peer", "name", down_link,
                   "netns", hub], f"creating the node link {up_link}/{down_link}")
@@ -656,7 +660,8 @@ def _kill_namespace_processes(namespaces: Sequence[str]) -> list[int]:
     killed = []
     for namespace in namespaces:
         try:
-            pids = [int(pid) for pid in _run(["ip", "netns", "pids", namespace], f"listing processes in {namespace}").split()]
+            listed = _run(["ip", "netns", "pids", namespace], f"listing processes in {namespace}")
+            pids = [int(pid) for pid in listed.split()]
         except ClusterError:
             continue
         for pid in pids:
@@ -701,7 +706,8 @@ def down(prefix: str = "gw") -> list[str]:
             shutil.rmtree(folder, ignore_errors=True)
     temp_dir = record.get("temp_dir")
     # a live owner (the launcher, on its way out) removes its own folder; an orphan's goes here
-    if temp_dir and not state.owner_alive(record) and os.path.dirname(os.path.abspath(temp_dir)) == os.path.abspath(tempfile.gettempdir()) \
+    if temp_dir and not state.owner_alive(record) \
+            and os.path.dirname(os.path.abspath(temp_dir)) == os.path.abspath(tempfile.gettempdir()) \
             and os.path.basename(temp_dir).startswith("gradwire-"):
         shutil.rmtree(temp_dir, ignore_errors=True)
     state.remove(prefix)

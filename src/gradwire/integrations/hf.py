@@ -67,7 +67,8 @@ class GradwireCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # runs on every rank, after the Trainer wrote checkpoint-N
         if self.hook_state is not None:
-            save_rank_state(self.hook_state, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            save_rank_state(self.hook_state, folder)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         warn_if_idle(self.hook_state, "transformers Trainer")

@@ -44,4 +44,5 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     return MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "build_model", "ByteGPT", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19", "WideMLP"]
+__all__ = ["MODELS", "build_model", "ByteGPT", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier",
+           "VGG19", "WideMLP"]

@@ -39,7 +39,8 @@ class ResNet18(nn.Module):
 
     lowrank_keep_full = ("conv1", "layer1.0", "*.shortcut.*", "fc")
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, stem_bn: bool = False, image_size: int = 32) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, stem_bn: bool = False,
+                 image_size: int = 32) -> None:
         super().__init__()
         self.input_shape = (in_channels, image_size, image_size)
         self.conv1 = nn.Conv2d(in_channels, 64, 3, padding=1, bias=False)

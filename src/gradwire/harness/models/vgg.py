@@ -19,7 +19,8 @@ class VGG19(nn.Module):
     ``full_rank_convs`` (9) convs and the last Linear stay full-rank.
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, full_rank_convs: int = 9, image_size: int = 32) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, full_rank_convs: int = 9,
+                 image_size: int = 32) -> None:
         super().__init__()
         self.input_shape = (in_channels, image_size, image_size)
         layers: list[nn.Module] = []
@@ -32,7 +33,8 @@ class VGG19(nn.Module):
                 layers.append(nn.MaxPool2d(2, ceil_mode=True))
                 continue
             conv_names.append(f"features.{len(layers)}")
-            layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                       nn.ReLU(inplace=True)]
             channels = width
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Sequential(
