@@ -14,6 +14,14 @@ from ..base import IndexCodec, IndexEncoding, register_index_codec
 
 @register_index_codec
 class RawIndexCodec(IndexCodec):
+    """Lossless COO baseline: every index as a uint32 (uint64 beyond 2**32 positions).
+
+    32 bits per index (64 for tensors of more than 2**32 elements) plus one byte; no options.
+    Decoding reads ``k = (B - 1) / width`` indices from a section of ``B`` bytes in ``O(k)``
+    (docs/wire-format.md, "Decode cost bounds"); order and range are checked by the payload
+    layer.
+    """
+
     name = "raw"
     wire_id = 1
 

@@ -139,6 +139,7 @@ class Batch:
 
     @staticmethod
     def of(lengths: np.ndarray) -> "Batch":
+        """The batch of segments of ``lengths`` (each >= 1) laid end to end."""
         lengths = lengths.astype(np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         seg = np.repeat(np.arange(lengths.size), lengths)
@@ -205,8 +206,19 @@ def encode_fit(
 ) -> tuple[bytes, torch.Tensor]:
     """Section bytes and exactly what :func:`decode_fit` will return for them.
 
-    ``allow_plain=False`` forces the fitted layout (for measurements of the fit itself; no
-    levels either). ``allow_levels=False`` leaves the levels layout out of the choice.
+    Args:
+        values: (k,) float16/bfloat16/float32/float64, finite.
+        model: the curve family of the fitted layout.
+        tolerance: the bound ``|decoded - v| <= tolerance * max|v|``, in (0, 1].
+        allow_plain: False forces the fitted layout (for measurements of the fit itself; no
+            levels either).
+        allow_levels: False leaves the levels layout out of the choice.
+
+    Returns:
+        ``(section, decoded)``, ``decoded`` of ``values``' shape and dtype.
+
+    Raises:
+        ValueError: ``values`` holds NaN or Inf.
     """
     values = values.detach().cpu().contiguous()
     dtype = values.dtype
@@ -429,8 +441,22 @@ def _take_packed(reader: ByteReader, count: int, width: int, what: str) -> np.nd
 def decode_fit(
     data: memoryview, count: int, dtype: torch.dtype, model_for: "Callable[[int], CurveModel | None]"
 ) -> torch.Tensor:
-    """Decode a section written by :func:`encode_fit`. ``model_for(P)`` returns the curve model
-    for P parameters per segment, or None when P is not one the codec writes."""
+    """Decode a section written by :func:`encode_fit`.
+
+    Args:
+        data: the section, untrusted.
+        count: values to produce, from the payload header.
+        dtype: the sender's dtype.
+        model_for: ``model_for(P)`` returns the curve model for P parameters per segment, or
+            None when P is not one the codec writes.
+
+    Returns:
+        (count,) ``dtype``, in the values' original order.
+
+    Raises:
+        DecodeError: on bad bytes; the section bounds ``count`` before anything of its size is
+            allocated.
+    """
     require(count >= 0, "negative element count")
     reader = ByteReader(data)
     mode = reader.u8("mode")
@@ -527,10 +553,4 @@ def check_tolerance(tolerance: float) -> float:
     return float(tolerance)
 
 
-def check_flag(option: str, value: bool) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{option}={value!r} is not supported; allowed: True, False")
-    return value
-
-
-__all__ = ["Batch", "CurveModel", "check_flag", "check_tolerance", "decode_fit", "det_exp", "encode_fit", "finish"]
+__all__ = ["Batch", "CurveModel", "check_tolerance", "decode_fit", "det_exp", "encode_fit", "finish"]
