@@ -20,7 +20,7 @@ class DecodeError(ValueError):
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise :class:`DecodeError` with ``message`` unless ``condition`` holds."""
+    """Raise :class:`DecodeError` with ``message`` unless ``condition`` holds (the decoders' check)."""
     if not condition:
         raise DecodeError(message)
 
