@@ -18,8 +18,15 @@ import torch
 class SparseTensor:
     """``values[i]`` sits at flat position ``indices[i]`` of a dense tensor of ``numel`` elements.
 
-    Shapes: values (k,), any float dtype; indices (k,), int64, strictly ascending, in
-    ``[0, numel)``. Both on the same device.
+    Construction checks shapes and dtypes only; :meth:`check` checks the order and range.
+
+    Attributes:
+        values: (k,), any float dtype.
+        indices: (k,), int64, strictly ascending, in ``[0, numel)``; on ``values``' device.
+        numel: the dense tensor's element count, >= 0.
+
+    Raises:
+        ValueError: not 1-D, lengths that differ, indices not int64, or a negative ``numel``.
     """
 
     values: torch.Tensor

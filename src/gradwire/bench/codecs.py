@@ -43,6 +43,7 @@ SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench codecs``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--numel", type=int, default=1 << 24,
                         help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
@@ -82,6 +83,7 @@ def _best_time(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def synthetic_gradient(numel: int, density: float, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """A random ``density`` share of ``numel`` positions (ascending int64) and N(0, 1e-3^2) float32 values."""
     generator = np.random.default_rng(seed)
     k = max(1, int(round(density * numel)))
     indices = np.sort(generator.choice(numel, size=k, replace=False)).astype(np.int64)
@@ -110,12 +112,14 @@ def mnist_gradient(steps: int = 3, seed: int = 0) -> torch.Tensor:
 
 
 def top_k_of(gradient: torch.Tensor, density: float) -> tuple[np.ndarray, torch.Tensor]:
+    """The exact top-k of ``|gradient|`` at ``density``: ascending int64 positions and their values."""
     k = max(1, int(round(density * gradient.numel())))
     indices = torch.sort(torch.topk(gradient.abs(), k, sorted=False).indices).values
     return indices.numpy(), gradient[indices].contiguous()
 
 
 def measure_index_codec(name: str, indices: np.ndarray, numel: int, repeats: int) -> dict[str, Any]:
+    """One table row: bits per index against the bound, and the best of ``repeats`` encode/decode times."""
     codec = codecs.get_index_codec(name)
     k = int(indices.size)
     encode_seconds, encoding = _best_time(lambda: codec.encode(indices, numel), repeats)
@@ -154,6 +158,7 @@ VALUE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def measure_value_codec(name: str, values: torch.Tensor, numel: int, repeats: int) -> dict[str, Any]:
+    """One table row: bits per value, relative L2 error, and the best of ``repeats`` encode/decode times."""
     base, options = VALUE_VARIANTS.get(name, (name, {}))
     codec = codecs.get_value_codec(base, **options)
     k = values.numel()
@@ -223,6 +228,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[float], list[str], l
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench codecs``: measure and print the tables; returns 0, or 2 on a bad option."""
     try:
         densities, sources, index_names, value_names = check_arguments(args)
     except ValueError as error:  # a bad option is the user's to fix: one line, not a traceback
@@ -288,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_tables(rows: list[dict[str, Any]], out: Any = None) -> None:
+    """Print the index and value tables of every (source, density), to ``out`` (default stdout)."""
     out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     for (source, density), group in _grouped(rows).items():
         first = group[0]
@@ -311,6 +318,7 @@ def print_tables(rows: list[dict[str, Any]], out: Any = None) -> None:
 
 
 def print_lstm_pairs(rows: list[dict[str, Any]], density: float, numel: int, out: Any = None) -> None:
+    """Print the LSTM codec-pair table beside DeepReduce's figures."""
     out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     print(f"\nlstm LM ({numel:,} parameters), top-{100 * density:g}% layer-wise, one payload per parameter: "
           "relative volume = bytes / dense fp32", file=out)
@@ -321,6 +329,7 @@ def print_lstm_pairs(rows: list[dict[str, Any]], density: float, numel: int, out
 
 
 def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any = None) -> None:
+    """Print the embedding-heavy model's index codec table."""
     out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     print(f"\nembedding-heavy model, nonzero sparsifier + fp32 values: {info['nonzeros']:,} non-zeros, "
           f"non-zero rows raw {info['nonzero_row_bytes']:,} B, dense {info['dense_bytes']:,} B", file=out)
@@ -331,6 +340,7 @@ def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any =
 
 
 def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
+    """Print the large-k curve-fit table."""
     out = out if out is not None else sys.stdout
     print("\ncurve fits at large k, tolerance 0.05 (stated bound: max error <= 0.05 max|v|), N(0, 1e-3^2) values; "
           "layout 0 plain, 1 fitted, 2 levels", file=out)
@@ -342,6 +352,7 @@ def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
 
 
 def print_lossless(rows: list[dict[str, Any]], out: Any = None) -> None:
+    """Print the lossless value codec table."""
     out = out if out is not None else sys.stdout
     print("\nlossless value codecs, k = 167,772 values (GB/s of the dense gradient at 1% density)", file=out)
     print(format_table(

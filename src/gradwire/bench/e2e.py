@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from typing import Any
 
 from ..harness.training import file_slug, median
@@ -42,6 +43,7 @@ PHASES = ("seconds_forward", "seconds_backward", "seconds_compress", "seconds_de
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench e2e``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--data", default=None)
     parser.add_argument("--method", action="append", dest="methods", metavar="SPEC",
@@ -88,16 +90,25 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench e2e`` (module docstring); returns 0, or 2 on a bad option.
+
+    Raises:
+        SystemExit: no emulated cluster can be built here and ``--local`` was not given.
+    """
     methods = args.methods or list(DEFAULT_METHODS)
     if "allreduce" not in methods:
         methods = ["allreduce", *methods]  # every ratio is to AllReduce of the same run
     bandwidths: list[str | None] = [None] if args.local else [b.strip() for b in args.bandwidths.split(",")]
-    worker_counts = [int(w) for w in args.workers.split(",")]
-    if args.rounds < 1:
-        raise ValueError(f"--rounds={args.rounds} must be >= 1")
-    seeds = [int(seed) for seed in args.accuracy_seeds.split(",") if seed.strip()]
-    if not seeds:
-        raise ValueError("--accuracy-seeds needs at least one seed")
+    try:  # a bad option is the user's to fix: one line, not a traceback (as every bench command)
+        worker_counts = [int(w) for w in args.workers.split(",")]
+        if args.rounds < 1:
+            raise ValueError(f"--rounds={args.rounds} must be >= 1")
+        seeds = [int(seed) for seed in args.accuracy_seeds.split(",") if seed.strip()]
+        if not seeds:
+            raise ValueError("--accuracy-seeds needs at least one seed")
+    except ValueError as error:
+        print(f"gradwire bench e2e: {error}", file=sys.stderr)
+        return 2
     if not args.local and not args.accuracy_only and not args.report_only:
         from ..cluster import cluster_available
 
@@ -188,6 +199,7 @@ def accuracy_by_method(accuracy: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_accuracy(accuracy: list[dict[str, Any]]) -> str:
+    """The accuracy table: per method, the accuracy of every seed, mean, spread and points vs AllReduce."""
     return format_table(
         ["method", "accuracy by seed", "mean", "sd", "points vs allreduce"],
         [[row["method"], " ".join(f"{v:.4f}" for v in row["accuracies"]) + ("" if len(row["accuracies"]) == row["runs"]
@@ -207,6 +219,7 @@ def _normalize(rows: list[dict[str, Any]]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """Print one line per (workers, link, method): step time, ratio and overhead, bytes."""
     print(format_table(
         ["workers", "link", "method", "s/step", "x allreduce", "overhead", "MB/step", "params", "status"],
         [[r["workers"], r["bandwidth"], r["method"], f"{r['seconds_per_step']:.3f}", f"{r['ratio_to_allreduce']:.2f}",

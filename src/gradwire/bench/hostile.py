@@ -37,6 +37,7 @@ import torch
 
 from .. import codecs
 from ..errors import DecodeError
+from ..sparse import is_support
 from ..tables import format_table
 from .hostile_cases import Case, hand_made, mutated
 from .table import progress
@@ -45,6 +46,7 @@ _MIB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench hostile``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--mutations", type=int, default=100_000, help="damaged payloads to decode (default 100000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the mutations")
     parser.add_argument("--no-hand-made", action="store_true", help="skip the crafted hostile set")
@@ -88,6 +90,8 @@ class _Rss:
 
 @dataclass
 class Outcome:
+    """One decode of one case: what came of it, its times (ms) and peak memory (MiB)."""
+
     case: Case
     result: str  # "refused", "decoded", or "BUG: <exception>"
     wall_ms: float
@@ -101,8 +105,7 @@ def _consistent(tensors: Any) -> bool:
     for values, indices, numel in tensors:
         if values.shape != indices.shape or indices.dtype != torch.int64 or indices.numel() > numel:
             return False
-        if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel
-                                or not bool((indices[1:] > indices[:-1]).all())):
+        if not is_support(indices, numel):
             return False
     return True
 
@@ -127,6 +130,7 @@ def _decode_once(case: Case, rss: _Rss) -> Outcome:
 
 
 def measure(case: Case, rss: _Rss, max_ms: float) -> Outcome:
+    """Decode ``case`` once; if that took longer than ``max_ms`` of wall time, keep the best of three."""
     outcome = _decode_once(case, rss)
     if outcome.wall_ms > max_ms:  # a loaded machine: keep the best of three
         for _ in range(2):
@@ -138,6 +142,8 @@ def measure(case: Case, rss: _Rss, max_ms: float) -> Outcome:
 
 @dataclass
 class Group:
+    """One table row: the counts and maxima over a group's outcomes."""
+
     cases: int = 0
     refused: int = 0
     decoded: int = 0
@@ -223,6 +229,10 @@ def codec_costs(rss: _Rss) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench hostile``; returns 0, or 1 when some decode raised another exception
+    than DecodeError, decoded inconsistent tensors, or (a payload under 1 KB, no opt-in) went over
+    the CPU-time or memory target.
+    """
     rss = _Rss()
     if not rss.available:
         print("note: /proc/self/clear_refs is not writable; the rss column is 0", file=sys.stderr)

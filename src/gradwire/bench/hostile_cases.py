@@ -37,6 +37,8 @@ _F32 = DTYPE_CODES[torch.float32]
 
 @dataclass(frozen=True)
 class Case:
+    """One payload to decode; ``max_numel`` is the caller's limit (None: the payload's own budget)."""
+
     group: str  # e.g. "rle", "bloom", "mutated:rice+fp16"
     label: str
     payload: bytes
@@ -45,6 +47,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Record:
+    """One tensor record of a hand-made payload: codecs by name, sizes, and raw section bytes."""
+
     index_codec: str
     value_codec: str
     numel: int
@@ -105,11 +109,13 @@ def zstd_lying_header(declared: int, actual: int = 16) -> bytes:
 
 
 def deflate_zeros(size: int) -> bytes:
+    """A raw DEFLATE stream of ``size`` zero bytes: a bomb of about 1 KiB per MiB (DEFLATE's ratio, 1032)."""
     compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
     return compressor.compress(bytes(size)) + compressor.flush()
 
 
 def bloom_section(*, policy: int, h: int, k: int, filter_bytes: bytes, seed: int = 7) -> bytes:
+    """A Bloom index section as :mod:`gradwire.codecs.index.bloom` lays it out, header fields as given."""
     return struct.pack("<BBQQQ", policy, h, seed, k, 8 * len(filter_bytes)) + filter_bytes
 
 

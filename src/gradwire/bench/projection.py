@@ -52,11 +52,16 @@ STRATEGY_NAMES = ("dense", "allgather", "sparse-allreduce", "hierarchical")
 class Constants:
     """What the projection takes from measurements (or defaults).
 
-    ``bytes_per_entry``: wire bytes per sent sparse entry (index + value + framing + TCP/IP);
-    ``decode_seconds_per_entry``: the hook's decode CPU seconds per received entry;
-    ``alpha``: seconds per message round (modelled: the cluster here emulates no latency);
-    ``local_size``: workers per node for the hierarchical exchange; ``intra_gbit``/``intra_alpha``:
-    the in-node link (NVLink-class by default); ``source``: where the numbers came from.
+    Attributes:
+        bytes_per_entry: wire bytes per sent sparse entry (index + value + framing + TCP/IP).
+        decode_seconds_per_entry: the hook's decode CPU seconds per received entry.
+        alpha: seconds per message round (modelled: the cluster here emulates no latency).
+        local_size: workers per node for the hierarchical exchange.
+        intra_gbit: the in-node link's rate in Gbit/s (NVLink-class by default).
+        intra_alpha: the in-node link's seconds per round.
+        values: the value codec auto's own estimate assumes.
+        indices: the index codec auto's own estimate assumes.
+        source: where the numbers came from.
     """
 
     bytes_per_entry: float = 3.2

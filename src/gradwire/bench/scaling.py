@@ -50,6 +50,7 @@ DEFAULT_BANDWIDTHS = "100mbit,1gbit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench scaling``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                         help="comma-separated: P (flat, P workers) or NxL (N nodes of L workers) "
                              f"(default {DEFAULT_LAYOUTS})")
@@ -237,6 +238,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_measured(rows: list[dict[str, Any]]) -> None:
+    """Print the measured table: wire and hook bytes, step time and hook CPU per layout, link and strategy."""
     headers = ["layout", "bandwidth", "strategy", "wire KB/step/worker ↓", "max", "cross-node KB/worker ↓",
                "hook KB ↓", "s/step ↓", "hook CPU s ↓", "auto took", "load"]
     table = []
@@ -253,6 +255,7 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
 
 
 def print_projection(result: dict[str, Any]) -> None:
+    """Print the α–β–γ projection: its constants, then milliseconds per strategy and world size."""
     c = result["constants"]
     print(f"\nα–β–γ projection, density {result['density']:g}: {c['bytes_per_entry']:.3f} wire bytes/entry, "
           f"{c['decode_seconds_per_entry'] * 1e9:.1f} ns decode/entry, α {c['alpha'] * 1e6:g} µs/round "
@@ -348,6 +351,9 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any], out: str) -> list[s
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench scaling`` (module docstring); returns 0, or 2 on a bad option or without a
+    cluster (unless ``--projection-only``).
+    """
     try:
         layouts = [parse_layout(text) for text in args.layouts.split(",") if text.strip()]
         bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]

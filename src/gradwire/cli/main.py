@@ -33,6 +33,10 @@ GROUP_HELP = {"bench": "benchmarks that print tables (and --json)", "lowrank": "
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gradwire`` parser: one subparser per entry of :data:`COMMANDS`, filled by its module.
+
+    A command whose module needs a missing gradwire module is still listed, and says so when run.
+    """
     parser = argparse.ArgumentParser(prog="gradwire", description="Send fewer gradient bytes in PyTorch DDP.")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -58,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``gradwire`` command.
+
+    Args:
+        argv: the arguments after ``gradwire`` (None: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit status: 0 on success, 2 for a bad option or an unavailable command
+        (argparse's own errors exit with 2 through ``SystemExit``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_module", None) is None:

@@ -32,6 +32,14 @@ def _write_atomically(path: str, summaries: list) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Run this rank's methods (module docstring); returns 0.
+
+    Args:
+        argv: ``[CONFIG, RESULT]``: the TrainConfig JSON to read and the file rank 0 rewrites.
+
+    Raises:
+        KeyError: ``RANK`` or ``WORLD_SIZE`` is not set.
+    """
     config_path, result_path = argv
     from ..harness.training import TrainConfig, run_rank
 

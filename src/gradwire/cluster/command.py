@@ -39,6 +39,7 @@ ACTIONS = ("up", "down", "status")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire cluster``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("action", choices=ACTIONS, help="up: create the cluster; down: delete it; status: show it")
     parser.add_argument("--workers", type=int, default=None,
                         help=f"up: number of worker namespaces, 1 to {MAX_WORKERS} "
@@ -60,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    """The ClusterSpec of ``up``'s options; ValueError names the inconsistent option."""
+    """The ClusterSpec of ``up``'s options.
+
+    Raises:
+        ValueError: inconsistent or bad options, naming the option.
+    """
     per_node = args.workers_per_node or 1
     if args.nodes is not None:
         workers = args.nodes * per_node
@@ -73,6 +78,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire cluster ACTION``; returns 0, 2 on a bad option, 1 when a cluster step failed."""
     try:
         if args.action == "up":
             return _up(args)

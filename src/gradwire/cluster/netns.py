@@ -108,7 +108,11 @@ class ClusterExistsError(ClusterError):
 
 
 def parse_rate(option: str, value: str) -> int:
-    """Bits per second of a tc rate such as ``"100mbit"`` (units kbit, mbit, gbit; SI, 1 kbit = 1000 bit/s)."""
+    """Bits per second of a tc rate such as ``"100mbit"`` (units kbit, mbit, gbit; SI, 1 kbit = 1000 bit/s).
+
+    Raises:
+        ValueError: not a rate of at least 8 kbit, naming ``option``.
+    """
     match = RATE_PATTERN.fullmatch(str(value).strip().lower())
     bits = float(match.group(1)) * RATE_UNITS[match.group(2)] if match else 0.0
     if not match or bits < 8000:
@@ -118,7 +122,11 @@ def parse_rate(option: str, value: str) -> int:
 
 
 def parse_latency(option: str, value: str) -> float:
-    """Microseconds of a tc time such as ``"0.5ms"`` (units us, ms); ``"0"`` means no added latency."""
+    """Microseconds of a tc time such as ``"0.5ms"`` (units us, ms); ``"0"`` means no added latency.
+
+    Raises:
+        ValueError: not a latency of at most 10 s, naming ``option``.
+    """
     text = str(value).strip().lower()
     if text == "0":
         return 0.0
@@ -133,12 +141,18 @@ def parse_latency(option: str, value: str) -> float:
 class ClusterSpec:
     """What to build: ``workers`` namespaces, each with ``bandwidth`` up and ``bandwidth`` down.
 
-    ``bandwidth`` is a tc rate (``"100mbit"``, ``"1gbit"``; bits per second, SI units),
-    ``latency`` the added one-way delay between two workers (``"500us"``, ``"0.5ms"``, ``"0"``),
-    ``prefix`` the start of every namespace and interface name (lowercase letter, then up to 9
-    letters or digits). ``workers_per_node`` > 1 groups ranks into nodes (rank r on node
-    r // workers_per_node): unshaped links inside a node, ``bandwidth`` up and down per node.
-    Raises ``ValueError`` naming the option on a bad value.
+    Attributes:
+        workers: worker namespaces (ranks), 1 to :data:`MAX_WORKERS`.
+        bandwidth: a tc rate (``"100mbit"``, ``"1gbit"``; bits per second, SI units).
+        latency: the added one-way delay between two workers (``"500us"``, ``"0.5ms"``, ``"0"``).
+        prefix: the start of every namespace and interface name (lowercase letter, then up to 9
+            letters or digits).
+        workers_per_node: > 1 groups ranks into nodes (rank r on node r // workers_per_node):
+            unshaped links inside a node, ``bandwidth`` up and down per node; a divisor of
+            ``workers``.
+
+    Raises:
+        ValueError: a bad value, naming the option.
     """
 
     workers: int
@@ -335,8 +349,13 @@ def list_namespaces(prefix: str = "gw") -> list[str]:
 def status(prefix: str = "gw") -> dict[str, Any]:
     """What exists for ``prefix``: namespaces, and per namespace its IPv4 addresses and qdisc lines.
 
-    ``{"prefix": "gw", "exists": True, "namespaces": ["gw-hub", "gw-w0", ...],
-    "addresses": {"gw-w0": ["10.231.0.1/24"], ...}, "qdiscs": {"gw-w0": ["qdisc tbf 8001: dev eth0 root ..."], ...}}``
+    Returns:
+        ``{"prefix": "gw", "exists": True, "namespaces": ["gw-hub", "gw-w0", ...],
+        "addresses": {"gw-w0": ["10.231.0.1/24"], ...},
+        "qdiscs": {"gw-w0": ["qdisc tbf 8001: dev eth0 root ..."], ...}}``.
+
+    Raises:
+        ClusterError: ``ip``/``tc`` failed.
     """
     namespaces = list_namespaces(prefix)
     addresses: dict[str, list[str]] = {}
@@ -407,8 +426,11 @@ def _netem_available(namespace: str, device: str) -> bool:
 class Cluster:
     """A running emulated cluster; a context manager that tears it down on exit (even on Ctrl-C).
 
-    ``latency_emulated`` is False when ``spec.latency`` was nonzero but the kernel has no tc
-    netem, so only the bandwidth is emulated (a warning says so when the cluster comes up).
+    Attributes:
+        spec: what was built.
+        latency_emulated: False when ``spec.latency`` was nonzero but the kernel has no tc netem,
+            so only the bandwidth is emulated (a warning says so when the cluster comes up).
+        closed: True once :meth:`down` ran.
     """
 
     spec: ClusterSpec
@@ -548,12 +570,23 @@ _launches = 0
 def up(spec: ClusterSpec, *, owner_pid: Optional[int] = None, temp_dir: Optional[str] = None) -> Cluster:
     """Build the cluster ``spec`` describes and return it; on any failure delete what was built.
 
-    The state file (:mod:`.state`) is written first: the names about to be created, the owner
-    (``owner_pid``: a launcher whose death makes the cluster an orphan for :func:`down_all`;
-    None for a cluster that stays up until ``down``) and ``temp_dir`` (a launch folder that
-    ``down`` removes too). Raises ClusterUnavailableError without root/iproute2,
-    ClusterExistsError if namespaces with the prefix exist already, ClusterError if a step
-    fails. About 10 ms per ``ip``/``tc`` call, roughly 10 calls per worker.
+    The state file (:mod:`.state`) is written first, with the names about to be created, so
+    that :func:`down` finds them whatever happens next. About 10 ms per ``ip``/``tc`` call,
+    roughly 10 calls per worker.
+
+    Args:
+        spec: what to build.
+        owner_pid: a launcher whose death makes the cluster an orphan for :func:`down_all`;
+            None for a cluster that stays up until ``down``.
+        temp_dir: a launch folder that ``down`` removes too.
+
+    Returns:
+        The running :class:`Cluster`.
+
+    Raises:
+        ClusterUnavailableError: not root, no iproute2, or no namespace support.
+        ClusterExistsError: namespaces with the prefix exist already.
+        ClusterError: a step failed.
     """
     require_available()
     prefix = spec.prefix
@@ -645,8 +678,12 @@ def _probe_netem(spec: ClusterSpec, namespace: str, device: str) -> bool:
 
 
 def find(prefix: str = "gw") -> Optional[Cluster]:
-    """The cluster ``prefix`` that is up and free to use (made by ``gradwire cluster up``: no live
-    owner), from its state file; None if there is none or it is incomplete."""
+    """The cluster ``prefix`` that is up and free to use, from its state file.
+
+    Returns:
+        The cluster ``gradwire cluster up`` made (no owner), or None if there is none, it belongs
+        to a launcher, or some of its namespaces are gone.
+    """
     record = state.read(prefix)
     if record is None or state.owner_alive(record) or record.get("owner"):
         return None
@@ -682,7 +719,18 @@ def down(prefix: str = "gw") -> list[str]:
     Processes still inside its namespaces (stray workers) are killed first. Deleting a namespace
     deletes the interfaces inside it (bridges, veth ends), so no interface is touched by name and
     none outside these namespaces at all. Then the ``/etc/netns`` host files, the recorded launch
-    folder and the state file go. Safe when nothing exists.
+    folder (an orphan's only: a live owner removes its own) and the state file go. Safe when
+    nothing exists.
+
+    Args:
+        prefix: the cluster's prefix.
+
+    Returns:
+        The namespace names deleted.
+
+    Raises:
+        ValueError: not a valid prefix.
+        ClusterError: a namespace could not be deleted.
     """
     if not PREFIX_PATTERN.fullmatch(str(prefix)):
         raise ValueError(f"prefix={prefix!r} is not supported; allowed: a lowercase letter followed by at most 9 "
@@ -717,8 +765,11 @@ def down(prefix: str = "gw") -> list[str]:
 def down_all() -> tuple[list[str], list[str]]:
     """Delete every recorded cluster except those a live launcher is using.
 
-    Returns (namespaces deleted, prefixes left alone because their owner runs). A cluster of a
-    killed launcher has a dead owner and is deleted with its stray workers and temp folder.
+    A cluster of a killed launcher has a dead owner and is deleted with its stray workers and
+    temp folder.
+
+    Returns:
+        (namespaces deleted, prefixes left alone because their owner runs).
     """
     deleted: list[str] = []
     in_use: list[str] = []

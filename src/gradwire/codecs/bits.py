@@ -96,10 +96,17 @@ def bit_width(max_value: int) -> int:
 
 
 def pack_uint(values: np.ndarray, width: int) -> bytes:
-    """Pack non-negative integers of ``width`` bits each (0 <= width <= 64) into bytes.
+    """Pack non-negative integers of ``width`` bits each into bytes, LSB first.
 
-    ``values``: 1-D integer array, every element < 2**width. Output has
-    ``ceil(len(values) * width / 8)`` bytes.
+    Args:
+        values: integer array (flattened), every element < 2**width (not checked).
+        width: bits per value, 0 <= width <= 64.
+
+    Returns:
+        ``ceil(len(values) * width / 8)`` bytes, the padding bits zero.
+
+    Raises:
+        ValueError: ``width`` out of range.
     """
     if not 0 <= width <= 64:
         raise ValueError(f"width={width} is not in [0, 64]")
@@ -115,9 +122,18 @@ def pack_uint(values: np.ndarray, width: int) -> bytes:
 
 
 def unpack_uint(data: "bytes | memoryview | np.ndarray", count: int, width: int) -> np.ndarray:
-    """Inverse of :func:`pack_uint`: ``count`` integers of ``width`` bits, as uint64.
+    """Inverse of :func:`pack_uint`: ``count`` integers of ``width`` bits.
 
-    Raises DecodeError when ``data`` holds fewer than ``count * width`` bits.
+    Args:
+        data: the packed bytes, untrusted (bytes beyond the ``count * width`` bits are ignored).
+        count: values to read.
+        width: bits per value, 0 <= width <= 64.
+
+    Returns:
+        (count,) uint64.
+
+    Raises:
+        DecodeError: ``data`` holds fewer than ``count * width`` bits, or a bad ``count``/``width``.
     """
     require(0 <= width <= 64, f"bit width {width} is not in [0, 64]")
     require(count >= 0, "negative element count")
