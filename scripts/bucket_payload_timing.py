@@ -47,7 +47,8 @@ def main() -> None:
         value_codec, index_codec = codecs.resolve_codecs(value_name, index_name, {})
         joined = encode_bucket(parts, total, index_codec=index_codec, value_codec=value_codec)
         encode_ms = _milliseconds(lambda: encode_bucket(parts, total, index_codec=index_codec, value_codec=value_codec))
-        decode_ms = _milliseconds(lambda: decode_bucket(memoryview(joined.payload), numels, offsets, total, index_codec=index_codec))
+        decode_ms = _milliseconds(lambda: decode_bucket(memoryview(joined.payload), numels, offsets, total,
+                                                        index_codec=index_codec))
         label = f"{value_name}/{index_name}"
         print(f"{label:18s} {'joined':10s} {encode_ms:7.2f} {decode_ms:7.2f} {len(joined.payload):9,d}")
         def per_tensor() -> Any:  # what the hook did before: gather each tensor's values, one record each

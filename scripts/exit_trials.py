@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 COLLECTIVES = {
     "dense": "compressor=topk,density=0.05,collective=dense",

@@ -37,7 +37,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,8 @@ def codecs(device: torch.device, numel: int, repeats: int, deadline: float) -> l
                     decode.append(time.perf_counter() - middle)
                 assert torch.equal(positions, indices), "indices changed"
                 rows.append({"pair": f"{index_name}+{value_name}", "entries": k, "bytes": len(payload),
-                             "encode_ms": statistics.median(encode) * 1e3, "decode_ms": statistics.median(decode) * 1e3})
+                             "encode_ms": statistics.median(encode) * 1e3,
+                             "decode_ms": statistics.median(decode) * 1e3})
             except Exception as error:
                 rows.append({"pair": f"{index_name}+{value_name}", "error": f"{type(error).__name__}: {error}"[:300]})
     return rows
@@ -225,7 +226,8 @@ def _two_rank_worker(rank: int, port: int, device_name: str, out: str, collectiv
 
         device = torch.device(device_name)
         torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(device))
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                        torch.nn.Linear(512, 10)).to(device))
         options = {"compressor": "topk", "density": 0.05, "collective": collective}
         if collective == "quantized":
             options = {"compressor": "none", "quantize": "int8"}
@@ -279,7 +281,8 @@ def two_ranks(device: torch.device, deadline: float) -> list[dict[str, Any]]:
         ok = all(r.get("ok") for r in reports)
         same = ok and reports[0]["checksum"] == reports[1]["checksum"]
         rows.append({"collective": collective, "ok": ok, "ranks_identical": same,
-                     "bytes": reports[0].get("bytes"), "error": next((r["error"] for r in reports if "error" in r), "")})
+                     "bytes": reports[0].get("bytes"),
+                     "error": next((r["error"] for r in reports if "error" in r), "")})
     return rows
 
 
@@ -334,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         folder.cleanup()
     rows = two_ranks(device, started + args.budget)
     report["two_ranks"] = rows
-    _table("two ranks sharing the device, DDP over gloo", rows, ["collective", "ok", "ranks_identical", "bytes", "error"])
+    _table("two ranks sharing the device, DDP over gloo", rows,
+           ["collective", "ok", "ranks_identical", "bytes", "error"])
     failed |= any(r.get("ok") and not r.get("ranks_identical") for r in rows)  # gloo refusing CUDA is not ours
     report["seconds"] = time.monotonic() - started
     target = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)

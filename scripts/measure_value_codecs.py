@@ -51,7 +51,8 @@ def main() -> None:
         ("polyfit", {}), ("polyfit", {"tolerance": 0.001}), ("dexp", {}),
     ]:
         codec = codecs.get_value_codec(spec[0], **spec[1])
-        label = spec[0] + ("(" + ",".join(f"{k}={v}" for k, v in spec[1].items() if k != "seed") + ")" if len(spec[1]) > ("seed" in spec[1]) else "")
+        shown = [f"{k}={v}" for k, v in spec[1].items() if k != "seed"]
+        label = spec[0] + ("(" + ",".join(shown) + ")" if shown else "")
         entries.append((label, codec.encode, lambda d, v, c=codec: type(c)().decode(memoryview(d), v.numel(), v.dtype)))
     for label, model, tolerance in [
         ("polyfit(fit,tol=0.05)", ChebyshevModel(4), 0.05),

@@ -77,7 +77,8 @@ def _reap(processes: list[Any]) -> None:
             process.join(timeout=5)
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 20.0) -> list[Any]:
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
+                pg_timeout: float = 20.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     Raises AssertionError with the worker's traceback if any worker raises, and TimeoutError
@@ -99,7 +100,8 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0
             except queue_module.Empty:
                 dead = [p for p in processes if p.exitcode not in (None, 0)]
                 if dead and len(results) < world_size and all(p.exitcode is not None for p in processes):
-                    raise AssertionError(f"workers exited without a result: exit codes {[p.exitcode for p in processes]}")
+                    codes = [p.exitcode for p in processes]
+                    raise AssertionError(f"workers exited without a result: exit codes {codes}")
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")

@@ -11,6 +11,13 @@ from typing import Any, ClassVar
 
 
 class Configurable:
+    """Options as attributes, ``get_config()`` and equality, for codecs and sparsifiers.
+
+    Subclasses take their options as keyword-only arguments of ``__init__`` and keep each under
+    the attribute of the same name; equality, hashing and ``repr`` then follow from
+    :meth:`get_config`, so two objects with the same options are interchangeable.
+    """
+
     #: Registry name, e.g. ``"rice"`` or ``"topk"``.
     name: ClassVar[str]
 
@@ -43,8 +50,22 @@ class Configurable:
 
 
 def instantiate(kind: str, registry: dict[str, type], name: Any, params: dict[str, Any]) -> Any:
-    """``registry[name](**params)``, with ValueErrors naming ``kind`` and what is allowed for an
-    unknown name or an option the class does not take."""
+    """``registry[name](**params)``, refusing unknown names and options by name.
+
+    Args:
+        kind: what is being built, for messages (``"index_codec"``, ``"sparsifier"``).
+        registry: the registered classes by name.
+        name: the name asked for.
+        params: keyword options for the class.
+
+    Returns:
+        The instance.
+
+    Raises:
+        ValueError: ``name`` is not registered, or the class takes no option of some name;
+            the message names ``kind`` and what is allowed. The class's own ``ValueError`` on a
+            bad value passes through.
+    """
     from .errors import check_choice
 
     check_choice(kind, name, sorted(registry))
@@ -52,5 +73,6 @@ def instantiate(kind: str, registry: dict[str, type], name: Any, params: dict[st
     allowed = cls.parameter_names()
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ValueError(f"{kind} {name!r} has no option {', '.join(unknown)}; allowed: {', '.join(allowed) or '(none)'}")
+        raise ValueError(f"{kind} {name!r} has no option {', '.join(unknown)}; "
+                         f"allowed: {', '.join(allowed) or '(none)'}")
     return cls(**params)

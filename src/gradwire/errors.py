@@ -8,6 +8,7 @@ caller that already guards against bad input with ``except ValueError`` stays co
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 
 class DecodeError(ValueError):
@@ -19,7 +20,7 @@ class DecodeError(ValueError):
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise :class:`DecodeError` with ``message`` unless ``condition`` holds."""
+    """Raise :class:`DecodeError` with ``message`` unless ``condition`` holds (the decoders' check)."""
     if not condition:
         raise DecodeError(message)
 
@@ -39,6 +40,41 @@ def check_choice(option: str, value: object, allowed: "list[str] | tuple[str, ..
     """Raise ``ValueError`` naming ``option`` and the ``allowed`` values unless ``value`` is one."""
     if value not in allowed:
         raise ValueError(f"{option}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
+
+
+def check_int(option: str, value: Any, low: int, high: "int | None" = None, *,
+              optional: bool = False) -> "int | None":
+    """Validate an integer option and return it as a Python int.
+
+    The one wording of a bad integer option: ``"bits=9 is not supported; allowed: an int in
+    [2, 8]"``. Booleans are refused (see :func:`is_integer`).
+
+    Args:
+        option: the option's name, as the caller spells it.
+        value: what the caller passed.
+        low: the smallest allowed value.
+        high: the largest allowed value; None for no upper bound.
+        optional: None is allowed too, and returned as is.
+
+    Returns:
+        ``int(value)``, or None when ``optional`` and ``value`` is None.
+
+    Raises:
+        ValueError: ``value`` is not an integer in ``[low, high]``, naming ``option`` and the range.
+    """
+    if optional and value is None:
+        return None
+    if not is_integer(value) or value < low or (high is not None and value > high):
+        allowed = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
+        raise ValueError(f"{option}={value!r} is not supported; allowed: {'None or ' if optional else ''}{allowed}")
+    return int(value)
+
+
+def check_flag(option: str, value: object) -> bool:
+    """Validate a boolean option: ``ValueError`` naming ``option`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{option}={value!r} is not supported; allowed: True, False")
+    return value
 
 
 class CollectiveError(RuntimeError):

@@ -97,6 +97,14 @@ def describe_failure(timeout: Optional[float], elapsed: float) -> str:
     30 minutes, often set lower) fires on its own, and a dead peer fails a collective at once. A
     message that named ``timeout`` whatever happened read "within None s", or "within 120.0 s"
     when gloo's 60 s had fired; the backend's own error, appended by the caller, says the rest.
+
+    Args:
+        timeout: the limit the wait had, in seconds (None: none set here).
+        elapsed: how long it waited, in seconds.
+
+    Returns:
+        A phrase to follow the collective's name, e.g. "did not complete within the 30 s limit
+        set for it".
     """
     if timeout is not None and elapsed >= timeout:
         return f"did not complete within the {timeout:g} s limit set for it"
@@ -106,5 +114,13 @@ def describe_failure(timeout: Optional[float], elapsed: float) -> str:
 
 
 def barrier(group: Any = None, timeout: Optional[float] = None) -> None:
-    """``dist.barrier`` whose ``Work`` is kept alive (see the module docstring)."""
+    """``dist.barrier`` whose ``Work`` is kept alive (see the module docstring).
+
+    Args:
+        group: the process group (None: the default one).
+        timeout: seconds to wait at most (None: only the process group's own timeout).
+
+    Raises:
+        RuntimeError: the barrier failed or outlasted ``timeout`` (:func:`wait_for`).
+    """
     wait_for(dist.barrier(group=group, async_op=True), timeout, "barrier")

@@ -18,8 +18,15 @@ import torch
 class SparseTensor:
     """``values[i]`` sits at flat position ``indices[i]`` of a dense tensor of ``numel`` elements.
 
-    Shapes: values (k,), any float dtype; indices (k,), int64, strictly ascending, in
-    ``[0, numel)``. Both on the same device.
+    Construction checks shapes and dtypes only; :meth:`check` checks the order and range.
+
+    Attributes:
+        values: (k,), any float dtype.
+        indices: (k,), int64, strictly ascending, in ``[0, numel)``; on ``values``' device.
+        numel: the dense tensor's element count, >= 0.
+
+    Raises:
+        ValueError: not 1-D, lengths that differ, indices not int64, or a negative ``numel``.
     """
 
     values: torch.Tensor
@@ -71,12 +78,7 @@ class SparseTensor:
 
     def check(self) -> None:
         """Raise ``ValueError`` unless indices are strictly ascending and inside ``[0, numel)``."""
-        if self.k == 0:
-            return
-        if int(self.indices[0]) < 0 or int(self.indices[-1]) >= self.numel:
-            raise ValueError(f"indices must lie in [0, {self.numel})")
-        if not strictly_ascending(self.indices):
-            raise ValueError("indices must be strictly ascending (sorted, no duplicates)")
+        check_support(self.indices, self.numel)
 
 
 def strictly_ascending(indices: "torch.Tensor | np.ndarray") -> bool:
@@ -91,3 +93,21 @@ def is_support(indices: "torch.Tensor | np.ndarray", numel: int) -> bool:
     if len(indices) == 0:
         return True
     return int(indices[0]) >= 0 and int(indices[-1]) < numel and strictly_ascending(indices)
+
+
+def check_support(indices: "torch.Tensor | np.ndarray", numel: int) -> None:
+    """The checked form of :func:`is_support`, for caller-supplied indices.
+
+    Args:
+        indices: 1-D integer tensor or array.
+        numel: the dense size they index.
+
+    Raises:
+        ValueError: ``indices`` leave ``[0, numel)`` or are not strictly ascending, saying which.
+    """
+    if len(indices) == 0:
+        return
+    if int(indices.min()) < 0 or int(indices.max()) >= numel:
+        raise ValueError(f"indices must lie in [0, {numel})")
+    if not strictly_ascending(indices):
+        raise ValueError("indices must be strictly ascending (sorted, no duplicates)")

@@ -6,8 +6,18 @@ from typing import Any, Sequence
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Columns aligned: text left, numbers right (a cell counts as a number if float() accepts
-    it once thousands separators and a trailing x or % are removed)."""
+    """An aligned text table: a header row, a rule, then the rows.
+
+    Text is aligned left and numbers right (a cell counts as a number if ``float()`` accepts it
+    once thousands separators and a trailing x or % are removed).
+
+    Args:
+        headers: the column names.
+        rows: one sequence of cells per row, as many as ``headers``; any values (``str()``-ed).
+
+    Returns:
+        The table, lines joined by newlines, without trailing spaces.
+    """
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 

@@ -228,7 +228,8 @@ def test_gloo_all_reduce_across_namespaces_takes_the_bandwidth_time(prefix: str,
             # namespace, so it falls back to lo and peers cannot connect: name the interface
             env = dict(os.environ, MASTER_ADDR=cluster.master_addr, MASTER_PORT="29500", RANK=str(rank),
                        WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME=cluster.interface(rank), OMP_NUM_THREADS="1")
-            ranks.append(start(processes, cluster.wrap(rank, [sys.executable, PROBE, "allreduce", str(numel)]), env=env))
+            command = cluster.wrap(rank, [sys.executable, PROBE, "allreduce", str(numel)])
+            ranks.append(start(processes, command, env=env))
         results = []
         for process in ranks:
             out, err = process.communicate(timeout=100)

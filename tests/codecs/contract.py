@@ -89,7 +89,8 @@ def value_cases(seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         yield f"normal-{dtype}", (torch.randn(5000, generator=generator) * 1e-3).to(dtype)
     yield "heavy-tailed", torch.randn(20_000, generator=generator) ** 3
-    yield "mixed-scale", torch.cat([torch.randn(100, generator=generator) * 1e3, torch.randn(100, generator=generator) * 1e-6])
+    yield "mixed-scale", torch.cat([torch.randn(100, generator=generator) * 1e3,
+                                    torch.randn(100, generator=generator) * 1e-6])
 
 
 def nonfinite_cases() -> Iterator[tuple[str, torch.Tensor]]:
@@ -278,7 +279,8 @@ def check_decode_bounded(codec: Codec) -> None:
                 for asked in {count, 2 * count + 5, 4096}:
                     result, peak = peak_of(lambda: codec.decode(memoryview(variant), asked, dtype))
                     _check_outcome(codec, result, peak, len(variant) + asked,
-                                   lambda out: isinstance(out, torch.Tensor) and out.shape == (asked,) and out.dtype == dtype)
+                                   lambda out: (isinstance(out, torch.Tensor) and out.shape == (asked,)
+                                                and out.dtype == dtype))
     _check_payload_bounds(codec, peak_of)
 
 

@@ -192,7 +192,8 @@ def test_bounded_memory_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads, the p2 rescan without cache and many bottom-k merges give the same positions."""
     numel = 10 * bloom._BLOCK + 1234
     indices = random_set(numel, 4000, seed=9)
-    reference = {policy: BloomIndexCodec(policy=policy, fpr=0.1, seed=2).encode(indices, numel) for policy in bloom.POLICIES}
+    reference = {policy: BloomIndexCodec(policy=policy, fpr=0.1, seed=2).encode(indices, numel)
+                 for policy in bloom.POLICIES}
     monkeypatch.setattr(bloom, "_SEGMENT", 2 * bloom._BLOCK)
     monkeypatch.setattr(bloom, "_workers", lambda: 3)
     monkeypatch.setattr(bloom, "_CACHE_LIMIT", 100)
@@ -365,7 +366,8 @@ def test_fuzz_round_trip(numel: int, density: float, policy: str, fpr: float, se
     indices = random_set(numel, int(numel * density), seed=seed % 1000)
     codec = BloomIndexCodec(policy=policy, fpr=fpr, seed=seed)
     encoding = codec.encode(indices, numel)
-    np.testing.assert_array_equal(decode(BloomIndexCodec(), encoding.data, numel, encoding.positions.size), encoding.positions)
+    np.testing.assert_array_equal(decode(BloomIndexCodec(), encoding.data, numel, encoding.positions.size),
+                                  encoding.positions)
     if policy == "p0":
         assert np.all(np.isin(indices, encoding.positions))
     else:

@@ -158,7 +158,8 @@ def test_sparse_tensor_helpers() -> None:
         gradwire.SparseTensor(torch.ones(1), torch.tensor([0], dtype=torch.int32), 1)
     with pytest.raises(ValueError, match="ascending"):
         gradwire.SparseTensor(torch.ones(2), torch.tensor([1, 0]), 2).check()
-    np.testing.assert_array_equal(gradwire.SparseTensor(torch.ones(0), torch.zeros(0, dtype=torch.int64), 5).to_dense().numpy(), np.zeros(5))
+    empty = gradwire.SparseTensor(torch.ones(0), torch.zeros(0, dtype=torch.int64), 5)
+    np.testing.assert_array_equal(empty.to_dense().numpy(), np.zeros(5))
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,9 @@ def scale_bound(levels: int, bucket_size: int, norm: str, rounding: str = "stoch
 
 
 @pytest.mark.parametrize(("levels", "norm", "bucket_size", "rounding"), [
-    (7, "l2", 512, "stochastic"), (1, "max", 512, "stochastic"), (4, "max", 64, "nearest"), (100, "l2", 7, "nearest"),
-    (3, "max", 1, "stochastic"), (1, "range", 512, "nearest"), (2, "range", 16, "stochastic"), (5, "range", 1, "nearest")])
+    (7, "l2", 512, "stochastic"), (1, "max", 512, "stochastic"), (4, "max", 64, "nearest"),
+    (100, "l2", 7, "nearest"), (3, "max", 1, "stochastic"), (1, "range", 512, "nearest"),
+    (2, "range", 16, "stochastic"), (5, "range", 1, "nearest")])
 def test_qsgd_ans_contract(levels: int, norm: str, bucket_size: int, rounding: str) -> None:
     codec = codecs.get_value_codec("qsgd-ans", levels=levels, norm=norm, bucket_size=bucket_size, rounding=rounding,
                                    seed=1)
@@ -86,7 +87,8 @@ def test_qsgd_ans_unbiased(norm: str) -> None:
 def test_qsgd_ans_range_nearest_two_magnitudes_per_bucket() -> None:
     """levels=1, norm=range, nearest: every value becomes +-(its bucket's min or max |v|)."""
     values = torch.tensor([0.5, -0.1, 0.2, -0.4, 3.0, -2.0, 2.5, -2.2])
-    data, received = QSGDANSCodec(levels=1, norm="range", bucket_size=4, rounding="nearest").encode_with_reconstruction(values)
+    codec = QSGDANSCodec(levels=1, norm="range", bucket_size=4, rounding="nearest")
+    data, received = codec.encode_with_reconstruction(values)
     assert received.tolist() == pytest.approx([0.5, -0.1, 0.1, -0.5, 3.0, -2.0, 3.0, -2.0])
     assert torch.equal(QSGDANSCodec().decode(memoryview(data), 8, torch.float32), received)
 
@@ -115,7 +117,8 @@ def test_ans_stream_refuses_counts_its_words_cannot_hold() -> None:
     assert len(stream) * 8 >= 100_000 * 0.011
     back = _ans.decode_symbols(ByteReader(stream), 100_000, 3, "t")
     assert not back.any()
-    huge = np.uint32(3).tobytes() + codecs.bits.encode_varint(np.array([1 << 40, 0, 0])) + np.array([2, 1, 1], dtype="<u4").tobytes()
+    huge = (np.uint32(3).tobytes() + codecs.bits.encode_varint(np.array([1 << 40, 0, 0]))
+            + np.array([2, 1, 1], dtype="<u4").tobytes())
     with pytest.raises(DecodeError, match="cannot fit"):
         _ans.decode_symbols(ByteReader(huge), 1 << 40, 3, "t")
 

@@ -103,7 +103,8 @@ def test_option_ranges() -> None:
 
 
 def test_nonfinite_and_out_of_range_refused() -> None:
-    for bad in (torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")]), torch.tensor([1e300], dtype=torch.float64)):
+    for bad in (torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")]),
+                torch.tensor([1e300], dtype=torch.float64)):
         with pytest.raises(ValueError):
             QSGDCodec().encode(bad)
 

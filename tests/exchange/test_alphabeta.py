@@ -46,7 +46,10 @@ def test_sparse_allreduce_volume_does_not_grow_with_workers() -> None:
 
 def test_choice_follows_the_link() -> None:
     n, k = 25_000_000, 250_000
-    costs = lambda p: [dense_allreduce(n, p), allgather_payloads(k, p, 3.0), sparse_allreduce_cost(k, p, 3.0)]
+
+    def costs(p: int) -> list:
+        return [dense_allreduce(n, p), allgather_payloads(k, p, 3.0), sparse_allreduce_cost(k, p, 3.0)]
+
     slow = Link.from_rate(0.1, alpha=50e-6)
     assert choose(costs(2), slow) == "allgather"  # two workers: one round trip of payloads is cheapest
     assert choose(costs(64), slow) == "sparse-allreduce"

@@ -21,7 +21,8 @@ def _select_twice_k(shard_sum: torch.Tensor) -> torch.Tensor:
 
 
 def _layouts(rank: int, world_size: int) -> dict:
-    hierarchies = {name: build_hierarchy(local, ranks) for name, (local, ranks) in LAYOUTS.items()}  # all ranks, in order
+    # every rank builds every layout, in the same order
+    hierarchies = {name: build_hierarchy(local, ranks) for name, (local, ranks) in LAYOUTS.items()}
     out = {}
     for name, hierarchy in hierarchies.items():
         if hierarchy is None:

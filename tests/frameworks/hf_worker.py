@@ -25,4 +25,5 @@ trainer2, callback2 = main(output_dir="run", max_steps=8, resume="run/checkpoint
 write_result({"steps": stats["step"], "global_step": trainer.state.global_step, "sent": stats["total_bytes_sent"],
               "dense": stats["total_bytes_dense"], "norm": stats["residual_norm"],
               "restored_norm": callback2.norm_at_begin, "restored_iteration": callback2.iteration_at_begin,
-              "resumed_steps": callback2.hook_state.stats()["step"], "digest": digest, "world": trainer.args.world_size})
+              "resumed_steps": callback2.hook_state.stats()["step"], "digest": digest,
+              "world": trainer.args.world_size})

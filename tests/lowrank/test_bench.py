@@ -7,7 +7,8 @@ from gradwire.cli.main import main
 
 def test_bench_lowrank_prints_and_writes_json(tmp_path, capsys) -> None:
     path = tmp_path / "bench.json"
-    assert main(["bench", "lowrank", "--models", "cnn", "--batch-size", "4", "--repeats", "1", "--json", str(path)]) == 0
+    assert main(["bench", "lowrank", "--models", "cnn", "--batch-size", "4", "--repeats", "1",
+                 "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "cnn" in out and "151,402" in out and "44,394" in out
     report = json.loads(path.read_text())

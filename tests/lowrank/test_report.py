@@ -46,7 +46,8 @@ def test_lstm_and_attention_macs() -> None:
     assert rows["lstm"].macs_before == 5 * 2 * 4 * 16 * (16 + 16)
     assert rows["lstm"].macs_after == 5 * 2 * (4 * 4 * (16 + 16) + 4 * 4 * (16 + 16))
     assert rows["decoder"].macs_before == rows["decoder"].macs_after == 5 * 16 * 50
-    encoder = build_model("transformer", vocab_size=50, d_model=16, nhead=2, num_layers=2, dim_feedforward=32, seq_len=5)
+    encoder = build_model("transformer", vocab_size=50, d_model=16, nhead=2, num_layers=2, dim_feedforward=32,
+                          seq_len=5)
     rows = rows_by_name(summarize(encoder, encoder.example_input(1)))
     attention = 2 * 5 * 5 * 16
     assert rows["encoder.layers.1.self_attn"].macs_before == attention + 4 * 5 * 16 * 16

@@ -218,7 +218,8 @@ def lossless_rows(k: int = 167_772, seed: int = 0, repeats: int = 2) -> list[dic
     import time
 
     generator = torch.Generator().manual_seed(seed)
-    data = {"N(0,1e-3^2)": torch.randn(k, generator=generator) * 1e-3, "randn^3": torch.randn(k, generator=generator) ** 3}
+    data = {"N(0,1e-3^2)": torch.randn(k, generator=generator) * 1e-3,
+            "randn^3": torch.randn(k, generator=generator) ** 3}
     rows = []
     for label, base in data.items():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -43,7 +43,9 @@ SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=int, default=1 << 24, help="dense size of the synthetic gradient (default 2**24)")
+    """Add ``gradwire bench codecs``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
+    parser.add_argument("--numel", type=int, default=1 << 24,
+                        help="dense size of the synthetic gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
     parser.add_argument("--sources", default=",".join(SOURCES),
                         help="comma-separated: " + ", ".join(SOURCES))
@@ -53,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the best is kept")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall time, or this process's CPU time (with --threads 1: an idle core's time on a loaded machine)")
+                        help="wall time, or this process's CPU time "
+                             "(with --threads 1: an idle core's time on a loaded machine)")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
 
 
@@ -80,6 +83,7 @@ def _best_time(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def synthetic_gradient(numel: int, density: float, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """A random ``density`` share of ``numel`` positions (ascending int64) and N(0, 1e-3^2) float32 values."""
     generator = np.random.default_rng(seed)
     k = max(1, int(round(density * numel)))
     indices = np.sort(generator.choice(numel, size=k, replace=False)).astype(np.int64)
@@ -96,7 +100,8 @@ def mnist_gradient(steps: int = 3, seed: int = 0) -> torch.Tensor:
     train, _ = load("mnist5k")
     model = build_model("cnn", num_classes=10, in_channels=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True,
+                                         generator=torch.Generator().manual_seed(seed))
     for step, (images, labels) in enumerate(loader):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(images), labels).backward()
@@ -107,12 +112,14 @@ def mnist_gradient(steps: int = 3, seed: int = 0) -> torch.Tensor:
 
 
 def top_k_of(gradient: torch.Tensor, density: float) -> tuple[np.ndarray, torch.Tensor]:
+    """The exact top-k of ``|gradient|`` at ``density``: ascending int64 positions and their values."""
     k = max(1, int(round(density * gradient.numel())))
     indices = torch.sort(torch.topk(gradient.abs(), k, sorted=False).indices).values
     return indices.numpy(), gradient[indices].contiguous()
 
 
 def measure_index_codec(name: str, indices: np.ndarray, numel: int, repeats: int) -> dict[str, Any]:
+    """One table row: bits per index against the bound, and the best of ``repeats`` encode/decode times."""
     codec = codecs.get_index_codec(name)
     k = int(indices.size)
     encode_seconds, encoding = _best_time(lambda: codec.encode(indices, numel), repeats)
@@ -151,6 +158,7 @@ VALUE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def measure_value_codec(name: str, values: torch.Tensor, numel: int, repeats: int) -> dict[str, Any]:
+    """One table row: bits per value, relative L2 error, and the best of ``repeats`` encode/decode times."""
     base, options = VALUE_VARIANTS.get(name, (name, {}))
     codec = codecs.get_value_codec(base, **options)
     k = values.numel()
@@ -220,6 +228,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[float], list[str], l
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench codecs``: measure and print the tables; returns 0, or 2 on a bad option."""
     try:
         densities, sources, index_names, value_names = check_arguments(args)
     except ValueError as error:  # a bad option is the user's to fix: one line, not a traceback
@@ -268,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
         extra["lstm_pairs"] = codec_workloads.lstm_rows(lstm_parts, args.lstm_density)
         print_lstm_pairs(extra["lstm_pairs"], args.lstm_density, sum(g.numel() for _, g in lstm_parts))
     if "embedding" in sources:
-        extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(codec_workloads.embedding_gradient())
+        embedding = codec_workloads.embedding_gradient()
+        extra["embedding"], extra["embedding_info"] = codec_workloads.embedding_rows(embedding)
         print_embedding(extra["embedding"], extra["embedding_info"])
     if "curvefit" in sources:
         extra["curvefit"] = codec_workloads.curvefit_rows()
@@ -284,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_tables(rows: list[dict[str, Any]], out: Any = None) -> None:
+    """Print the index and value tables of every (source, density), to ``out`` (default stdout)."""
     out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     for (source, density), group in _grouped(rows).items():
         first = group[0]
@@ -307,6 +318,7 @@ def print_tables(rows: list[dict[str, Any]], out: Any = None) -> None:
 
 
 def print_lstm_pairs(rows: list[dict[str, Any]], density: float, numel: int, out: Any = None) -> None:
+    """Print the LSTM codec-pair table beside DeepReduce's figures."""
     out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     print(f"\nlstm LM ({numel:,} parameters), top-{100 * density:g}% layer-wise, one payload per parameter: "
           "relative volume = bytes / dense fp32", file=out)
@@ -317,6 +329,7 @@ def print_lstm_pairs(rows: list[dict[str, Any]], density: float, numel: int, out
 
 
 def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any = None) -> None:
+    """Print the embedding-heavy model's index codec table."""
     out = out if out is not None else sys.stdout  # read at call time: tests swap sys.stdout
     print(f"\nembedding-heavy model, nonzero sparsifier + fp32 values: {info['nonzeros']:,} non-zeros, "
           f"non-zero rows raw {info['nonzero_row_bytes']:,} B, dense {info['dense_bytes']:,} B", file=out)
@@ -327,6 +340,7 @@ def print_embedding(rows: list[dict[str, Any]], info: dict[str, int], out: Any =
 
 
 def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
+    """Print the large-k curve-fit table."""
     out = out if out is not None else sys.stdout
     print("\ncurve fits at large k, tolerance 0.05 (stated bound: max error <= 0.05 max|v|), N(0, 1e-3^2) values; "
           "layout 0 plain, 1 fitted, 2 levels", file=out)
@@ -338,6 +352,7 @@ def print_curvefit(rows: list[dict[str, Any]], out: Any = None) -> None:
 
 
 def print_lossless(rows: list[dict[str, Any]], out: Any = None) -> None:
+    """Print the lossless value codec table."""
     out = out if out is not None else sys.stdout
     print("\nlossless value codecs, k = 167,772 values (GB/s of the dense gradient at 1% density)", file=out)
     print(format_table(

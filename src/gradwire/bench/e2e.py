@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from typing import Any
 
 from ..harness.training import file_slug, median
@@ -42,9 +43,11 @@ PHASES = ("seconds_forward", "seconds_backward", "seconds_compress", "seconds_de
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench e2e``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--data", default=None)
-    parser.add_argument("--method", action="append", dest="methods", metavar="SPEC", help="repeatable (default: a set of 8)")
+    parser.add_argument("--method", action="append", dest="methods", metavar="SPEC",
+                        help="repeatable (default: a set of 8)")
     parser.add_argument("--bandwidths", default="100mbit,1gbit,10gbit", help="comma-separated tc rates")
     parser.add_argument("--latency", default="0.5ms")
     parser.add_argument("--workers", default="4", help="comma-separated worker counts")
@@ -53,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat floors and methods this many times; report medians over rounds")
-    parser.add_argument("--local", action="store_true", help="loopback instead of namespaces (no root needed; no rate limit)")
+    parser.add_argument("--local", action="store_true",
+                        help="loopback instead of namespaces (no root needed; no rate limit)")
     parser.add_argument("--accuracy", action="store_true",
                         help="also run MNIST-5k accuracy runs (cnn, 2 workers, --accuracy-epochs epochs) per method")
     parser.add_argument("--accuracy-epochs", type=int, default=5)
@@ -68,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidth: str | None, *,
-            compute_only: bool = False, barrier: bool = False, model: str | None = None, epochs: int = 1, full_epochs: bool = False,
-            out: str | None = None, data: str | None = None, warmup_steps: int | None = None,
-            seed: int = 0) -> list[dict[str, Any]]:
+            compute_only: bool = False, barrier: bool = False, model: str | None = None, epochs: int = 1,
+            full_epochs: bool = False, out: str | None = None, data: str | None = None,
+            warmup_steps: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     from ..cli.train import launch
     from ..harness.training import TrainConfig
 
@@ -86,16 +90,25 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench e2e`` (module docstring); returns 0, or 2 on a bad option.
+
+    Raises:
+        SystemExit: no emulated cluster can be built here and ``--local`` was not given.
+    """
     methods = args.methods or list(DEFAULT_METHODS)
     if "allreduce" not in methods:
         methods = ["allreduce", *methods]  # every ratio is to AllReduce of the same run
     bandwidths: list[str | None] = [None] if args.local else [b.strip() for b in args.bandwidths.split(",")]
-    worker_counts = [int(w) for w in args.workers.split(",")]
-    if args.rounds < 1:
-        raise ValueError(f"--rounds={args.rounds} must be >= 1")
-    seeds = [int(seed) for seed in args.accuracy_seeds.split(",") if seed.strip()]
-    if not seeds:
-        raise ValueError("--accuracy-seeds needs at least one seed")
+    try:  # a bad option is the user's to fix: one line, not a traceback (as every bench command)
+        worker_counts = [int(w) for w in args.workers.split(",")]
+        if args.rounds < 1:
+            raise ValueError(f"--rounds={args.rounds} must be >= 1")
+        seeds = [int(seed) for seed in args.accuracy_seeds.split(",") if seed.strip()]
+        if not seeds:
+            raise ValueError("--accuracy-seeds needs at least one seed")
+    except ValueError as error:
+        print(f"gradwire bench e2e: {error}", file=sys.stderr)
+        return 2
     if not args.local and not args.accuracy_only and not args.report_only:
         from ..cluster import cluster_available
 
@@ -124,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 tag = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
                 print(f"== {workers} workers, {label}: compute-only floor{tag}", flush=True)
                 floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True)[0])
-                synced_floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True, barrier=True)[0])
+                synced_floors.append(_launch(["allreduce"], args, workers, bandwidth, compute_only=True,
+                                             barrier=True)[0])
                 order = methods if round_index % 2 == 0 else methods[::-1]
                 print(f"== {workers} workers, {label}: {len(methods)} methods{tag}", flush=True)
                 for summary in _launch(order, args, workers, bandwidth):
@@ -185,6 +199,7 @@ def accuracy_by_method(accuracy: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_accuracy(accuracy: list[dict[str, Any]]) -> str:
+    """The accuracy table: per method, the accuracy of every seed, mean, spread and points vs AllReduce."""
     return format_table(
         ["method", "accuracy by seed", "mean", "sd", "points vs allreduce"],
         [[row["method"], " ".join(f"{v:.4f}" for v in row["accuracies"]) + ("" if len(row["accuracies"]) == row["runs"]
@@ -204,6 +219,7 @@ def _normalize(rows: list[dict[str, Any]]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """Print one line per (workers, link, method): step time, ratio and overhead, bytes."""
     print(format_table(
         ["workers", "link", "method", "s/step", "x allreduce", "overhead", "MB/step", "params", "status"],
         [[r["workers"], r["bandwidth"], r["method"], f"{r['seconds_per_step']:.3f}", f"{r['ratio_to_allreduce']:.2f}",
@@ -243,14 +259,17 @@ def _write(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
     for (workers, link) in dict.fromkeys((r["workers"], r["bandwidth"]) for r in rows):
         group = [r for r in rows if r["workers"] == workers and r["bandwidth"] == link]
         synced = group[0].get("synced_floor_seconds")
-        floors = f"floor {group[0]['floor_seconds']:.3f} s/step" + (f", with a barrier per step {synced:.3f}" if synced else "")
+        floors = f"floor {group[0]['floor_seconds']:.3f} s/step"
+        if synced:
+            floors += f", with a barrier per step {synced:.3f}"
         if group[0].get("rounds", 1) > 1:
             floors += f"; medians of {group[0]['rounds']} rounds"
         lines += [f"## {workers} workers, {link} ({floors})", "",
-                  "| method | s/step | x allreduce | overhead | MB/step | params | status |", "|---|---|---|---|---|---|---|"]
+                  "| method | s/step | x allreduce | overhead | MB/step | params | status |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['seconds_per_step']:.3f} | {r['ratio_to_allreduce']:.2f} | "
-                  f"{100 * r['communication_overhead']:.0f}% | {_megabytes(r['bytes_per_step'])} | {r['parameters']:,} | "
-                  f"{r.get('status', 'ok')} |" for r in group]
+                  f"{100 * r['communication_overhead']:.0f}% | {_megabytes(r['bytes_per_step'])} | "
+                  f"{r['parameters']:,} | {r.get('status', 'ok')} |" for r in group]
         lines.append("")
     if accuracy:
         epochs = accuracy[0].get("config", {}).get("epochs", "?")
@@ -284,7 +303,8 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
             bottom = [b + h for b, h in zip(bottom, heights)]
         axis.axhline(group[0]["floor_seconds"], color="black", linestyle="--", label="compute-only floor")
         axis.set_ylabel("seconds per step (median)")
-        axis.set_title(f"Time per step by phase — {workers} workers, {link}\n(backward includes waiting for the exchange)")
+        axis.set_title(f"Time per step by phase — {workers} workers, {link}\n"
+                       "(backward includes waiting for the exchange)")
         axis.legend(fontsize=8)
         axis.tick_params(axis="x", labelsize=7)
         figure.tight_layout()
@@ -302,7 +322,8 @@ def _plots(rows: list[dict[str, Any]], accuracy: list[dict[str, Any]], out: str)
             for index, (workers, link) in enumerate(settings):
                 values = []
                 for method in methods:
-                    match = [r for r in rows if r["method"] == method and r["workers"] == workers and r["bandwidth"] == link]
+                    match = [r for r in rows
+                             if r["method"] == method and r["workers"] == workers and r["bandwidth"] == link]
                     value = match[0][metric] if match else math.nan
                     values.append(0.0 if value != value else value)
                 axis.bar([i + index * width for i in range(len(methods))], values, width, label=f"{workers}w {link}")

@@ -55,6 +55,7 @@ BUCKET_BYTES = 25 * 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench hook``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help=f"comma-separated shipped models (default {','.join(DEFAULT_MODELS)})")
     parser.add_argument("--methods", action="append", default=None, metavar="SPEC",
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench hook``: measure and print the table; returns 0, or 2 on a bad option."""
     try:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         methods = list(args.methods or DEFAULT_METHODS)

@@ -37,6 +37,7 @@ import torch
 
 from .. import codecs
 from ..errors import DecodeError
+from ..sparse import is_support
 from ..tables import format_table
 from .hostile_cases import Case, hand_made, mutated
 from .table import progress
@@ -45,13 +46,15 @@ _MIB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench hostile``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--mutations", type=int, default=100_000, help="damaged payloads to decode (default 100000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the mutations")
     parser.add_argument("--no-hand-made", action="store_true", help="skip the crafted hostile set")
     parser.add_argument("--max-ms", type=float, default=100.0, help="time target per decode of a payload < 1 KB")
     parser.add_argument("--max-mib", type=float, default=64.0, help="memory target per decode of a payload < 1 KB")
     parser.add_argument("--costs", action="store_true",
-                        help="also measure each codec's decode of valid sections: peak bytes per (section byte + element)")
+                        help="also measure each codec's decode of valid sections: "
+                             "peak bytes per (section byte + element)")
     parser.add_argument("--json", metavar="PATH", help="also write the table and the worst cases as JSON")
 
 
@@ -87,6 +90,8 @@ class _Rss:
 
 @dataclass
 class Outcome:
+    """One decode of one case: what came of it, its times (ms) and peak memory (MiB)."""
+
     case: Case
     result: str  # "refused", "decoded", or "BUG: <exception>"
     wall_ms: float
@@ -100,7 +105,7 @@ def _consistent(tensors: Any) -> bool:
     for values, indices, numel in tensors:
         if values.shape != indices.shape or indices.dtype != torch.int64 or indices.numel() > numel:
             return False
-        if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel or not bool((indices[1:] > indices[:-1]).all())):
+        if not is_support(indices, numel):
             return False
     return True
 
@@ -125,6 +130,7 @@ def _decode_once(case: Case, rss: _Rss) -> Outcome:
 
 
 def measure(case: Case, rss: _Rss, max_ms: float) -> Outcome:
+    """Decode ``case`` once; if that took longer than ``max_ms`` of wall time, keep the best of three."""
     outcome = _decode_once(case, rss)
     if outcome.wall_ms > max_ms:  # a loaded machine: keep the best of three
         for _ in range(2):
@@ -136,6 +142,8 @@ def measure(case: Case, rss: _Rss, max_ms: float) -> Outcome:
 
 @dataclass
 class Group:
+    """One table row: the counts and maxima over a group's outcomes."""
+
     cases: int = 0
     refused: int = 0
     decoded: int = 0
@@ -221,6 +229,10 @@ def codec_costs(rss: _Rss) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench hostile``; returns 0, or 1 when some decode raised another exception
+    than DecodeError, decoded inconsistent tensors, or (a payload under 1 KB, no opt-in) went over
+    the CPU-time or memory target.
+    """
     rss = _Rss()
     if not rss.available:
         print("note: /proc/self/clear_refs is not writable; the rss column is 0", file=sys.stderr)
@@ -240,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             done = int(case.label[1:]) + 1
             if not sys.stderr.isatty() and done % 5000 == 0:
-                print(f"{done} mutated payloads decoded, {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                print(f"{done} mutated payloads decoded, {time.perf_counter() - start:.0f} s", file=sys.stderr,
+                      flush=True)
     elapsed = time.perf_counter() - start
     tracemalloc.stop()
 

@@ -37,6 +37,8 @@ _F32 = DTYPE_CODES[torch.float32]
 
 @dataclass(frozen=True)
 class Case:
+    """One payload to decode; ``max_numel`` is the caller's limit (None: the payload's own budget)."""
+
     group: str  # e.g. "rle", "bloom", "mutated:rice+fp16"
     label: str
     payload: bytes
@@ -45,6 +47,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Record:
+    """One tensor record of a hand-made payload: codecs by name, sizes, and raw section bytes."""
+
     index_codec: str
     value_codec: str
     numel: int
@@ -66,7 +70,8 @@ def build(records: "list[Record]") -> bytes:
     for r in records:
         index_id = codecs.get_index_codec(r.index_codec).wire_id
         value_id = codecs.get_value_codec(r.value_codec).wire_id
-        head.append(_RECORD.pack(r.dtype, index_id, value_id, 0, r.numel, r.count, len(r.index_data), len(r.value_data)))
+        head.append(_RECORD.pack(r.dtype, index_id, value_id, 0, r.numel, r.count, len(r.index_data),
+                                 len(r.value_data)))
         sections += [r.index_data, r.value_data]
     return reseal(b"".join(head + sections))
 
@@ -104,11 +109,13 @@ def zstd_lying_header(declared: int, actual: int = 16) -> bytes:
 
 
 def deflate_zeros(size: int) -> bytes:
+    """A raw DEFLATE stream of ``size`` zero bytes: a bomb of about 1 KiB per MiB (DEFLATE's ratio, 1032)."""
     compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
     return compressor.compress(bytes(size)) + compressor.flush()
 
 
 def bloom_section(*, policy: int, h: int, k: int, filter_bytes: bytes, seed: int = 7) -> bytes:
+    """A Bloom index section as :mod:`gradwire.codecs.index.bloom` lays it out, header fields as given."""
     return struct.pack("<BBQQQ", policy, h, seed, k, 8 * len(filter_bytes)) + filter_bytes
 
 
@@ -143,20 +150,24 @@ def hand_made(*, big: bool = True) -> list[Case]:
     for exponent in (28, 36, 39):
         n = 1 << exponent
         add("rle", f"one run of 2^{exponent}, empty values", [Record("rle", "fp32", n, n, rle_run(0, n), b"")])
-    add("rle", "run of 2^39 in 2^40, fp16-scaled values", [Record("rle", "fp16-scaled", 1 << 40, 1 << 39, rle_run(5, 1 << 39), b"\0")])
+    add("rle", "run of 2^39 in 2^40, fp16-scaled values",
+        [Record("rle", "fp16-scaled", 1 << 40, 1 << 39, rle_run(5, 1 << 39), b"\0")])
     if big:
         n = 1 << 28
         add("rle", "run of 2^28 + genuine 1 GiB zstd bomb of values",
             [Record("rle", "zstd", n, n, rle_run(0, n), b"\x00" + zstd_zeros(4 * n))])
     n = 1 << 24
-    add("rle", "run of 2^24 + zstd frame declaring 2^26 bytes", [Record("rle", "zstd", n, n, rle_run(0, n), b"\x00" + zstd_lying_header(4 * n))])
-    add("rle", "run of 2^24 + deflate bomb", [Record("rle", "deflate", n, n, rle_run(0, n), b"\x00" + deflate_zeros(1 << 20))])
+    add("rle", "run of 2^24 + zstd frame declaring 2^26 bytes",
+        [Record("rle", "zstd", n, n, rle_run(0, n), b"\x00" + zstd_lying_header(4 * n))])
+    add("rle", "run of 2^24 + deflate bomb",
+        [Record("rle", "deflate", n, n, rle_run(0, n), b"\x00" + deflate_zeros(1 << 20))])
 
     # Bloom: the receiver queries every position
     one_bit = bytes([1])
     for policy, name in enumerate(("p0", "p1", "p2")):
         add("bloom", f"{name}, numel 2^32, 1-byte filter (71 B)",
-            [Record("bloom", "fp32", 1 << 32, 1, bloom_section(policy=policy, h=1, k=1, filter_bytes=one_bit), b"\0" * 4)])
+            [Record("bloom", "fp32", 1 << 32, 1, bloom_section(policy=policy, h=1, k=1, filter_bytes=one_bit),
+                    b"\0" * 4)])
     ones = bytes([255]) * 64
     add("bloom", "p0, numel 2^26, all-ones filter, count 2^26",
         [Record("bloom", "fp32", 1 << 26, 1 << 26, bloom_section(policy=0, h=32, k=16, filter_bytes=ones), b"")])
@@ -169,22 +180,32 @@ def hand_made(*, big: bool = True) -> list[Case]:
 
     # zstd / deflate index sections
     count = 26 << 20
-    add("zstd", "index bomb: frame of 104 MiB zeros", [Record("zstd", "fp32", 1 << 30, count, b"\x04" + zstd_zeros(4 * count, 19 if big else 1), b"")])
-    add("zstd", "index frame declaring 2^40 bytes", [Record("zstd", "fp32", 1 << 40, 1 << 37, b"\x08" + zstd_lying_header(1 << 40), b"")])
-    add("zstd", "index frame declaring 2^40 bytes, count 4", [Record("zstd", "fp32", 1 << 40, 4, b"\x08" + zstd_lying_header(1 << 40), bytes(16))])
-    add("zstd", "value frame declaring 2^40 bytes", [Record("rle", "zstd", 1 << 38, 1 << 38, rle_run(0, 1 << 38), b"\x00" + zstd_lying_header(1 << 40))])
+    add("zstd", "index bomb: frame of 104 MiB zeros",
+        [Record("zstd", "fp32", 1 << 30, count, b"\x04" + zstd_zeros(4 * count, 19 if big else 1), b"")])
+    add("zstd", "index frame declaring 2^40 bytes",
+        [Record("zstd", "fp32", 1 << 40, 1 << 37, b"\x08" + zstd_lying_header(1 << 40), b"")])
+    add("zstd", "index frame declaring 2^40 bytes, count 4",
+        [Record("zstd", "fp32", 1 << 40, 4, b"\x08" + zstd_lying_header(1 << 40), bytes(16))])
+    add("zstd", "value frame declaring 2^40 bytes",
+        [Record("rle", "zstd", 1 << 38, 1 << 38, rle_run(0, 1 << 38), b"\x00" + zstd_lying_header(1 << 40))])
     mib = 64 if big else 8
-    add("deflate", f"index bomb: {mib} MiB of zeros", [Record("deflate", "fp32", 1 << 30, mib << 18, b"\x04" + deflate_zeros(mib << 20), b"")])
-    add("deflate", "index bomb under 1 KB (1 MiB of zeros)", [Record("deflate", "fp32", 1 << 30, 1 << 18, b"\x04" + deflate_zeros(1 << 20), b"")])
-    add("deflate", "value bomb under 1 KB (count 2^18)", [Record("raw", "deflate", 1 << 30, 1 << 18, b"\x04", b"\x00" + deflate_zeros(1 << 20))])
+    add("deflate", f"index bomb: {mib} MiB of zeros",
+        [Record("deflate", "fp32", 1 << 30, mib << 18, b"\x04" + deflate_zeros(mib << 20), b"")])
+    add("deflate", "index bomb under 1 KB (1 MiB of zeros)",
+        [Record("deflate", "fp32", 1 << 30, 1 << 18, b"\x04" + deflate_zeros(1 << 20), b"")])
+    add("deflate", "value bomb under 1 KB (count 2^18)",
+        [Record("raw", "deflate", 1 << 30, 1 << 18, b"\x04", b"\x00" + deflate_zeros(1 << 20))])
 
     # Huffman tables
     lengths15 = bytes([0xFF]) * 21
-    add("huffman", "41 codes of length 15 (oversubscribed)", [Record("huffman", "fp32", 1 << 40, 8, bytes([41]) + lengths15 + b"\x08" + bytes(8), b"")])
+    add("huffman", "41 codes of length 15 (oversubscribed)",
+        [Record("huffman", "fp32", 1 << 40, 8, bytes([41]) + lengths15 + b"\x08" + bytes(8), b"")])
     table = bytes([0x11])  # two symbols, one bit each: every bit is a code
     add("huffman", "900-byte code stream, count 7200 (1 bit per code)",
-        [Record("huffman", "fp32", 1 << 40, 7200, bytes([2]) + table + encode_varint(np.array([900])) + bytes(900), b"")])
-    add("huffman", "count 2^40 on a tiny stream", [Record("huffman", "fp32", 1 << 40, 1 << 40, bytes([2]) + table + b"\x04" + bytes(4), b"")])
+        [Record("huffman", "fp32", 1 << 40, 7200, bytes([2]) + table + encode_varint(np.array([900])) + bytes(900),
+                b"")])
+    add("huffman", "count 2^40 on a tiny stream",
+        [Record("huffman", "fp32", 1 << 40, 1 << 40, bytes([2]) + table + b"\x04" + bytes(4), b"")])
 
     # gap codes and raw with counts far beyond their bytes
     for codec, section in (("eliasfano", bytes(64)), ("rice", bytes([40]) + bytes(63)), ("delta-varint", bytes(64)),
@@ -194,12 +215,18 @@ def hand_made(*, big: bool = True) -> list[Case]:
 
     # value codecs with huge internal fields
     raw1 = b"\x04" + struct.pack("<I", 3)
-    add("qsgd", "bucket 2^32-1, count 2^36", [Record("rle", "qsgd", 1 << 40, 1 << 36, rle_run(0, 1 << 36), b"\x02" + struct.pack("<I", 2**32 - 1) + bytes(12))])
-    add("qsgd", "bits 2, count 2^20 under 1 KB (section lies)", [Record("rle", "qsgd", 1 << 20, 1 << 20, rle_run(0, 1 << 20), b"\x02" + struct.pack("<I", 1) + bytes(900))])
+    add("qsgd", "bucket 2^32-1, count 2^36",
+        [Record("rle", "qsgd", 1 << 40, 1 << 36, rle_run(0, 1 << 36),
+                b"\x02" + struct.pack("<I", 2**32 - 1) + bytes(12))])
+    add("qsgd", "bits 2, count 2^20 under 1 KB (section lies)",
+        [Record("rle", "qsgd", 1 << 20, 1 << 20, rle_run(0, 1 << 20), b"\x02" + struct.pack("<I", 1) + bytes(900))])
     for codec in ("polyfit", "dexp"):
-        add(codec, "2^32-1 segments, count 2^30", [Record("rle", codec, 1 << 30, 1 << 30, rle_run(0, 1 << 30), _fit_header(2**32 - 1, 4 if codec == "dexp" else 11) + bytes(64))])
+        add(codec, "2^32-1 segments, count 2^30",
+            [Record("rle", codec, 1 << 30, 1 << 30, rle_run(0, 1 << 30),
+                    _fit_header(2**32 - 1, 4 if codec == "dexp" else 11) + bytes(64))])
         add(codec, "255 parameters, one value", [Record("raw", codec, 10, 1, raw1, _fit_header(1, 255) + bytes(64))])
-    add("fp16-scaled", "count 2^30, 1-byte section", [Record("rle", "fp16-scaled", 1 << 30, 1 << 30, rle_run(0, 1 << 30), b"\0")])
+    add("fp16-scaled", "count 2^30, 1-byte section",
+        [Record("rle", "fp16-scaled", 1 << 30, 1 << 30, rle_run(0, 1 << 30), b"\0")])
 
     # the heaviest payloads the default limit lets through: decode, in bounded time and memory
     def rle_values(value_codec: str, stream: "Callable[[int], bytes]") -> "Callable[[int], bytes]":
@@ -227,12 +254,14 @@ def hand_made(*, big: bool = True) -> list[Case]:
         return make
 
     for policy, name in enumerate(("p0", "p1", "p2")):
-        payload, n = _at_budget(bloom_all(policy), 1 << 16, share=SCAN_COST + (policy == 0), extra=0 if policy == 0 else 128)
+        payload, n = _at_budget(bloom_all(policy), 1 << 16, share=SCAN_COST + (policy == 0),
+                                extra=0 if policy == 0 else 128)
         cases.append(Case("at-budget", f"bloom {name}, all-ones filter, numel {n}", payload))
 
     # the opt-in: the same kind of payload decodes when the caller accepts the size
     n = 1 << 22
-    cases.append(Case("opt-in", f"rle + zstd zeros, {n} elements, max_numel={n}", rle_values("zstd", lambda m: zstd_zeros(4 * m))(n), n))
+    cases.append(Case("opt-in", f"rle + zstd zeros, {n} elements, max_numel={n}",
+                      rle_values("zstd", lambda m: zstd_zeros(4 * m))(n), n))
     return cases
 
 
@@ -255,7 +284,10 @@ def _base_payloads(rng: np.random.Generator) -> Iterator[tuple[str, bytes]]:
         if index_name == "bitmap":
             numel = min(numel, 1 << 13)
         k = int(min(numel, rng.integers(0, 120)))
-        indices = np.sort(rng.choice(numel, size=k, replace=False)) if numel < 1 << 24 else np.unique(rng.integers(0, numel, k))
+        if numel < 1 << 24:
+            indices = np.sort(rng.choice(numel, size=k, replace=False))
+        else:
+            indices = np.unique(rng.integers(0, numel, k))
         dtype = (torch.float32, torch.float16, torch.bfloat16, torch.float64)[rng.integers(4)]
         values = (torch.from_numpy(rng.standard_normal(indices.size)) * 1e-2).to(dtype)
         if rng.random() < 0.3:

@@ -30,10 +30,12 @@ BYTES_PER_PARAMETER = 4  # float32 gradients
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench lowrank``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), metavar="MODEL",
                         help=f"models to measure (default: all of {', '.join(MODELS)})")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed iterations per model, median reported (default 5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed iterations per model, median reported (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for the timing (default 1)")
     parser.add_argument("--rank-ratio", type=float, default=0.25, help="rank / full rank (default 0.25)")
     parser.add_argument("--workers", type=int, default=4, help="p for the ring AllReduce volume (default 4)")
@@ -81,6 +83,7 @@ def time_forward_backward(model: nn.Module, batch: torch.Tensor, repeats: int) -
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The table of :func:`measure`'s rows: parameters, time and bytes, full-rank against low-rank."""
     headers = ("model", "params", "params lr", "x", "ms fwd+bwd", "ms lr", "x", "MB/step", "MB lr",
                f"ring MB/worker p={rows[0]['workers'] if rows else 4}", "ring lr")
     mb = 1e6
@@ -93,6 +96,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench lowrank``: measure and print the table; returns 0, or 2 on a bad option."""
     from tqdm import tqdm
 
     for option in ("batch_size", "repeats", "threads", "workers"):

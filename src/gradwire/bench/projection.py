@@ -52,11 +52,16 @@ STRATEGY_NAMES = ("dense", "allgather", "sparse-allreduce", "hierarchical")
 class Constants:
     """What the projection takes from measurements (or defaults).
 
-    ``bytes_per_entry``: wire bytes per sent sparse entry (index + value + framing + TCP/IP);
-    ``decode_seconds_per_entry``: the hook's decode CPU seconds per received entry;
-    ``alpha``: seconds per message round (modelled: the cluster here emulates no latency);
-    ``local_size``: workers per node for the hierarchical exchange; ``intra_gbit``/``intra_alpha``:
-    the in-node link (NVLink-class by default); ``source``: where the numbers came from.
+    Attributes:
+        bytes_per_entry: wire bytes per sent sparse entry (index + value + framing + TCP/IP).
+        decode_seconds_per_entry: the hook's decode CPU seconds per received entry.
+        alpha: seconds per message round (modelled: the cluster here emulates no latency).
+        local_size: workers per node for the hierarchical exchange.
+        intra_gbit: the in-node link's rate in Gbit/s (NVLink-class by default).
+        intra_alpha: the in-node link's seconds per round.
+        values: the value codec auto's own estimate assumes.
+        indices: the index codec auto's own estimate assumes.
+        source: where the numbers came from.
     """
 
     bytes_per_entry: float = 3.2
@@ -122,7 +127,8 @@ def project_point(numel: int, density: float, world_size: int, gbit: float, cons
     order = {name: i for i, name in enumerate(STRATEGY_NAMES)}
     winner = min(seconds, key=lambda name: (seconds[name], order[name]))
     # auto as the hook runs it: its own bytes-per-entry estimate from the codecs
-    value_codec, index_codec = ExchangeConfig(value_codec=constants.values, index_codec=constants.indices).build_codecs()
+    config = ExchangeConfig(value_codec=constants.values, index_codec=constants.indices)
+    value_codec, index_codec = config.build_codecs()
     estimate = entry_bytes(index_codec, value_codec, numel=numel, k=k)
     auto_costs = candidates(numel=numel, k=k, world_size=world_size, bytes_per_entry=estimate,
                             sparse_allreduce=True, local_size=_local(world_size, local_size))

@@ -50,12 +50,15 @@ DEFAULT_BANDWIDTHS = "100mbit,1gbit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench scaling``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
-                        help=f"comma-separated: P (flat, P workers) or NxL (N nodes of L workers) (default {DEFAULT_LAYOUTS})")
-    parser.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS, help=f"comma-separated tc rates (default {DEFAULT_BANDWIDTHS})")
+                        help="comma-separated: P (flat, P workers) or NxL (N nodes of L workers) "
+                             f"(default {DEFAULT_LAYOUTS})")
+    parser.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS,
+                        help=f"comma-separated tc rates (default {DEFAULT_BANDWIDTHS})")
     parser.add_argument("--strategies", default=None,
-                        help="comma-separated subset of dense, allgather, sparse-allreduce, auto, hierarchical (default all; "
-                             "hierarchical only on node layouts)")
+                        help="comma-separated subset of dense, allgather, sparse-allreduce, auto, hierarchical "
+                             "(default all; hierarchical only on node layouts)")
     parser.add_argument("--compressor", default="topk", help="sparsifier of the sparse strategies (default topk)")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--values", default="fp16", help="value codec (default fp16)")
@@ -66,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out before them (default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="method order reversed every other round (default 2)")
     parser.add_argument("--latency", default="0", help="added one-way latency (default 0: α is modelled, not emulated)")
-    parser.add_argument("--alpha", type=float, default=20e-6, help="seconds per round for the projection (default 20e-6)")
+    parser.add_argument("--alpha", type=float, default=20e-6,
+                        help="seconds per round for the projection (default 20e-6)")
     parser.add_argument("--gamma", type=float, default=None,
                         help="decode seconds per entry for the projection (default: timed here, one thread)")
     parser.add_argument("--local-size", type=int, default=8, help="workers per node in the projection (default 8)")
@@ -87,7 +91,8 @@ def parse_layout(text: str) -> tuple[int, int]:
         else:
             nodes, per_node = int(text), 1
     except ValueError:
-        raise ValueError(f"--layouts: {text!r} is not a layout; allowed: P or NxL with integers (e.g. 8, 2x4)") from None
+        raise ValueError(f"--layouts: {text!r} is not a layout; "
+                         "allowed: P or NxL with integers (e.g. 8, 2x4)") from None
     if nodes < 1 or per_node < 1 or nodes * per_node < 2:
         raise ValueError(f"--layouts: {text!r} needs at least 2 workers")
     return nodes * per_node, per_node
@@ -150,7 +155,8 @@ def _row(label: str, method: str, runs: list[dict[str, Any]], workers: int, per_
     per_rank = [sum(wire["tx_bytes"][rank] for wire in wires) / steps for rank in range(workers)] if steps else []
     cross = []
     if steps and per_node > 1 and all(len(wire["node_tx_bytes"]) == workers // per_node for wire in wires):
-        cross = [sum(wire["node_tx_bytes"][node] for wire in wires) / steps / per_node for node in range(workers // per_node)]
+        cross = [sum(wire["node_tx_bytes"][node] for wire in wires) / steps / per_node
+                 for node in range(workers // per_node)]
     phases = [run["phases"] for run in runs]
     cpu = [sum(p.get(f"seconds_{key}", math.nan) for key in ("compress", "decompress")) for p in phases]
     buckets: dict[str, float] = {}
@@ -232,6 +238,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_measured(rows: list[dict[str, Any]]) -> None:
+    """Print the measured table: wire and hook bytes, step time and hook CPU per layout, link and strategy."""
     headers = ["layout", "bandwidth", "strategy", "wire KB/step/worker ↓", "max", "cross-node KB/worker ↓",
                "hook KB ↓", "s/step ↓", "hook CPU s ↓", "auto took", "load"]
     table = []
@@ -240,13 +247,15 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
             if r["strategy"] == "auto" else ""
         table.append([r["layout"], r["bandwidth"], r["strategy"], _fmt(r["wire_bytes_per_step"] / 1e3, ".1f"),
                       _fmt(r["wire_bytes_per_step_max"] / 1e3, ".1f"),
-                      _fmt(r["cross_node_bytes_per_worker_step"] / 1e3, ".1f"), _fmt(r["hook_bytes_per_step"] / 1e3, ".1f"),
+                      _fmt(r["cross_node_bytes_per_worker_step"] / 1e3, ".1f"),
+                      _fmt(r["hook_bytes_per_step"] / 1e3, ".1f"),
                       _fmt(r["seconds_per_step"], ".3f"), _fmt(r["hook_cpu_seconds"], ".3f"), took,
                       _fmt(r["load_average"], ".1f")])
     print(format_table(headers, table))
 
 
 def print_projection(result: dict[str, Any]) -> None:
+    """Print the α–β–γ projection: its constants, then milliseconds per strategy and world size."""
     c = result["constants"]
     print(f"\nα–β–γ projection, density {result['density']:g}: {c['bytes_per_entry']:.3f} wire bytes/entry, "
           f"{c['decode_seconds_per_entry'] * 1e9:.1f} ns decode/entry, α {c['alpha'] * 1e6:g} µs/round "
@@ -254,7 +263,8 @@ def print_projection(result: dict[str, Any]) -> None:
     for layout in sorted({p["local_size"] for p in result["points"]}):
         names = [n for n in STRATEGY_NAMES if layout > 1 or n != "hierarchical"]
         title = "flat" if layout == 1 else f"{layout} workers per node"
-        print(f"\nms of the exchange per step (whole model as one bucket) ({title}); * = predicted winner, auto = the hook's choice")
+        print(f"\nms of the exchange per step (whole model as one bucket) ({title}); "
+              "* = predicted winner, auto = the hook's choice")
         table = []
         for point in (p for p in result["points"] if p["local_size"] == layout):
             cells = [_fmt(point["seconds"].get(n, math.nan) * 1e3, ".1f") + ("*" if point["winner"] == n else "")
@@ -294,8 +304,9 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any], out: str) -> list[s
         figure, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), squeeze=False)
         for axis, bandwidth in zip(axes[0], bandwidths):
             for strategy in ("dense", "allgather", "sparse-allreduce", "auto"):
-                points = sorted((r["workers"], r["wire_bytes_per_step"] / 1e3) for r in rows if r["strategy"] == strategy
-                                and r["bandwidth"] == bandwidth and r["workers_per_node"] == 1)
+                points = sorted((r["workers"], r["wire_bytes_per_step"] / 1e3) for r in rows
+                                if r["strategy"] == strategy and r["bandwidth"] == bandwidth
+                                and r["workers_per_node"] == 1)
                 if points:
                     axis.plot(*zip(*points), marker="o", label=strategy)
             axis.set(xlabel="workers p (flat)", ylabel="wire KB per worker per step", yscale="log",
@@ -314,13 +325,15 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any], out: str) -> list[s
     for i, model in enumerate(models):
         for j, gbit in enumerate(links):
             axis = axes[i][j]
-            flat = [p for p in result["points"] if p["model"] == model and p["gbit"] == gbit and p["local_size"] == 1]
-            nodes = [p for p in result["points"] if p["model"] == model and p["gbit"] == gbit and p["local_size"] == local]
+            here = [p for p in result["points"] if p["model"] == model and p["gbit"] == gbit]
+            flat = [p for p in here if p["local_size"] == 1]
+            nodes = [p for p in here if p["local_size"] == local]
             for name in STRATEGY_NAMES:
                 source = nodes if name == "hierarchical" else flat
                 points = [(p["world_size"], p["seconds"][name] * 1e3) for p in source if name in p["seconds"]]
                 if points:
-                    axis.plot(*zip(*points), marker="o", label=name if name != "hierarchical" else f"hierarchical ({local}/node)")
+                    label = name if name != "hierarchical" else f"hierarchical ({local}/node)"
+                    axis.plot(*zip(*points), marker="o", label=label)
             for p in flat:  # auto's choice on the flat layout, ringed
                 axis.scatter([p["world_size"]], [p["seconds"][p["auto"]] * 1e3], s=140, facecolors="none",
                              edgecolors="black", zorder=5)
@@ -338,6 +351,9 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any], out: str) -> list[s
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench scaling`` (module docstring); returns 0, or 2 on a bad option or without a
+    cluster (unless ``--projection-only``).
+    """
     try:
         layouts = [parse_layout(text) for text in args.layouts.split(",") if text.strip()]
         bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
@@ -374,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
                 rows += measure_layout(args, workers, per_node, bandwidth)
                 _save(args.out, rows, None, [])  # keep what is measured if a later layout fails
     order = {name: i for i, name in enumerate(("dense", "allgather", "sparse-allreduce", "hierarchical", "auto"))}
-    rows.sort(key=lambda r: (_rate(r["bandwidth"]), r["workers_per_node"] > 1, r["workers"], order.get(r["strategy"], 9)))
+    rows.sort(key=lambda r: (_rate(r["bandwidth"]), r["workers_per_node"] > 1, r["workers"],
+                             order.get(r["strategy"], 9)))
     checks = check_targets(rows)
     if rows:
         print_measured(rows)

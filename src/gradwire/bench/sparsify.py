@@ -30,10 +30,12 @@ BASELINE = "torch.topk"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire bench sparsify``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("--numel", type=int, default=1 << 24, help="elements of the gradient (default 2**24)")
     parser.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)), help="comma-separated, in (0, 1]")
     parser.add_argument("--sparsifiers", default="all", help="comma-separated names or 'all'")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds, each running every sparsifier once (median and best reported)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds, each running every sparsifier once (median and best reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradient")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
@@ -122,6 +124,7 @@ def measure(numel: int, densities: list[float], names: list[str], repeats: int, 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire bench sparsify``: measure and print the table; returns 0, or 2 on a bad option."""
     try:
         densities = _parse_densities(args.densities)
         names = _parse_names(args.sparsifiers)

@@ -45,16 +45,30 @@ def launch(config: Any, workers: int, *, timeout: float = 3600, cluster: Cluster
            on_summaries: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
     """Run ``config`` on ``workers`` worker processes; return rank 0's summaries.
 
-    ``cluster``: None (local processes on loopback); ``(bandwidth, latency)`` (a temporary
-    emulated cluster with a prefix of its own, removed on every exit path); a
-    :class:`~gradwire.cluster.ClusterSpec` (a temporary cluster built as given: its prefix must
-    be free; see :func:`~gradwire.cluster.temporary_prefix`); or a running :class:`~gradwire.cluster.Cluster` (used as
-    it is, left up). A local run's summaries get ``"link": {"kind": "loopback"}``; with a cluster every
-    summary gets ``"link"``: per-rank bytes sent and
-    received on each worker's interface during this launch (every method, setup included) and,
-    with nodes, the bytes that crossed each node's shaped uplink. ``on_summaries`` is called with
-    the summaries so far whenever rank 0 finishes a method. Workers are killed on error,
-    timeout, Ctrl-C, SIGTERM, or the launcher's own death.
+    Workers are killed on error, timeout, Ctrl-C, SIGTERM, or the launcher's own death.
+
+    Args:
+        config: the ``harness.training.TrainConfig`` every worker runs.
+        workers: worker processes (ranks).
+        timeout: seconds the workers may take in all.
+        cluster: None (local processes on loopback); ``(bandwidth, latency)`` (a temporary
+            emulated cluster with a prefix of its own, removed on every exit path); a
+            :class:`~gradwire.cluster.ClusterSpec` (a temporary cluster built as given: its prefix
+            must be free; see :func:`~gradwire.cluster.temporary_prefix`); or a running
+            :class:`~gradwire.cluster.Cluster` (used as it is, left up).
+        on_summaries: called with the summaries so far whenever rank 0 finishes a method.
+
+    Returns:
+        Rank 0's summaries, one per method. A local run's get ``"link": {"kind": "loopback"}``;
+        with a cluster every summary gets ``"link"``: per-rank bytes sent and received on each
+        worker's interface during this launch (every method, setup included) and, with nodes,
+        the bytes that crossed each node's shaped uplink.
+
+    Raises:
+        RuntimeError: a worker failed, or none wrote a result.
+        TimeoutError: the workers outlasted ``timeout``.
+        ValueError: ``workers`` does not match a running cluster's.
+        ClusterError: the emulated cluster could not be built.
     """
     with _terminate_as_exit(), tempfile.TemporaryDirectory(prefix="gradwire-train-") as folder:
         config_path = os.path.join(folder, "config.json")

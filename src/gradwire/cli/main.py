@@ -20,17 +20,23 @@ COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "codecs"): ("gradwire.bench.codecs", "bits per index/value and throughput of every codec"),
     ("bench", "sparsify"): ("gradwire.bench.sparsify", "speed of each sparsifier vs torch.topk"),
     ("bench", "lowrank"): ("gradwire.bench.lowrank", "parameters, compute and bytes: full-rank vs factorized"),
-    ("bench", "hook"): ("gradwire.bench.hook", "the hook's CPU per step by phase, against a one-pass memory floor"),
-    ("bench", "hostile"): ("gradwire.bench.hostile", "hostile and mutated payloads: only DecodeError, bounded time/memory"),
+    ("bench", "hook"): ("gradwire.bench.hook", "the hook's CPU per step by phase, "
+                                                "against a one-pass memory floor"),
+    ("bench", "hostile"): ("gradwire.bench.hostile", "hostile and mutated payloads: only DecodeError, "
+                                                      "bounded time/memory"),
     ("bench", "e2e"): ("gradwire.bench.e2e", "methods x bandwidths x workers on emulated rate-limited links"),
-    ("bench", "scaling"): ("gradwire.bench.scaling", "exchange strategies vs workers: measured on the emulated cluster, "
-                                                      "projected to 1024 by the alpha-beta model"),
+    ("bench", "scaling"): ("gradwire.bench.scaling", "exchange strategies vs workers: measured on the emulated "
+                                                      "cluster, projected to 1024 by the alpha-beta model"),
     ("lowrank", "summary"): ("gradwire.cli.lowrank_summary", "per-layer report of a factorized model"),
 }
 GROUP_HELP = {"bench": "benchmarks that print tables (and --json)", "lowrank": "Pufferfish low-rank models"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gradwire`` parser: one subparser per entry of :data:`COMMANDS`, filled by its module.
+
+    A command whose module needs a missing gradwire module is still listed, and says so when run.
+    """
     parser = argparse.ArgumentParser(prog="gradwire", description="Send fewer gradient bytes in PyTorch DDP.")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -56,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``gradwire`` command.
+
+    Args:
+        argv: the arguments after ``gradwire`` (None: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit status: 0 on success, 2 for a bad option or an unavailable command
+        (argparse's own errors exit with 2 through ``SystemExit``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_module", None) is None:

@@ -32,15 +32,25 @@ def _write_atomically(path: str, summaries: list) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Run this rank's methods (module docstring); returns 0.
+
+    Args:
+        argv: ``[CONFIG, RESULT]``: the TrainConfig JSON to read and the file rank 0 rewrites.
+
+    Raises:
+        KeyError: ``RANK`` or ``WORLD_SIZE`` is not set.
+    """
     config_path, result_path = argv
     from ..harness.training import TrainConfig, run_rank
 
     with open(config_path) as handle:
         config = TrainConfig(**json.load(handle))
     torch.set_num_threads(config.threads)
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % torch.cuda.device_count())
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=float(os.environ.get("GRADWIRE_PG_TIMEOUT", "300")))
     init_method = os.environ.get("GRADWIRE_INIT_METHOD", "env://")
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, timeout=timeout,

@@ -39,9 +39,11 @@ ACTIONS = ("up", "down", "status")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gradwire cluster``'s options to ``parser`` (:mod:`gradwire.cli.main` calls it)."""
     parser.add_argument("action", choices=ACTIONS, help="up: create the cluster; down: delete it; status: show it")
     parser.add_argument("--workers", type=int, default=None,
-                        help=f"up: number of worker namespaces, 1 to {MAX_WORKERS} (default 2, or nodes x workers per node)")
+                        help=f"up: number of worker namespaces, 1 to {MAX_WORKERS} "
+                             "(default 2, or nodes x workers per node)")
     parser.add_argument("--nodes", type=int, default=None, help="up: nodes (default: one per worker)")
     parser.add_argument("--workers-per-node", type=int, default=None,
                         help="up: workers per node; links inside a node are not shaped, each node has one "
@@ -59,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    """The ClusterSpec of ``up``'s options; ValueError names the inconsistent option."""
+    """The ClusterSpec of ``up``'s options.
+
+    Raises:
+        ValueError: inconsistent or bad options, naming the option.
+    """
     per_node = args.workers_per_node or 1
     if args.nodes is not None:
         workers = args.nodes * per_node
@@ -72,6 +78,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``gradwire cluster ACTION``; returns 0, 2 on a bad option, 1 when a cluster step failed."""
     try:
         if args.action == "up":
             return _up(args)
@@ -117,10 +124,12 @@ def _up(args: argparse.Namespace) -> int:
         node = f", node {spec.node_of(rank)}" if spec.workers_per_node > 1 else ""
         print(f"  rank {rank}: namespace {worker_namespace(spec.prefix, rank)}, address {worker_address(rank)}, "
               f"interface {WORKER_INTERFACE}{node}")
-    print(f"train on it:              gradwire train --cluster{' --prefix ' + spec.prefix if spec.prefix != 'gw' else ''}")
+    prefix_option = f" --prefix {spec.prefix}" if spec.prefix != "gw" else ""
+    print(f"train on it:              gradwire train --cluster{prefix_option}")
     print(f"run a program as rank 0:  ip netns exec {worker_namespace(spec.prefix, 0)} PROGRAM "
           f"(gloo needs GLOO_SOCKET_IFNAME={WORKER_INTERFACE}, MASTER_ADDR={cluster.master_addr})")
-    print(f"remove it:                gradwire cluster down --prefix {spec.prefix}   (or every cluster: gradwire cluster down)")
+    print(f"remove it:                gradwire cluster down --prefix {spec.prefix}   "
+          "(or every cluster: gradwire cluster down)")
     return 0
 
 

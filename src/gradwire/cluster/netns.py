@@ -91,7 +91,8 @@ MIN_QUEUE_BYTES = 1024 * 1024
 #: where ``ip netns exec`` finds files to mount over /etc inside a namespace (iproute2's convention)
 NETNS_ETC = "/etc/netns"
 
-NEEDS_ROOT = "gradwire cluster needs root (CAP_NET_ADMIN) to create network namespaces; run as root or use local workers"
+NEEDS_ROOT = ("gradwire cluster needs root (CAP_NET_ADMIN) to create network namespaces; "
+              "run as root or use local workers")
 
 
 class ClusterError(RuntimeError):
@@ -107,7 +108,11 @@ class ClusterExistsError(ClusterError):
 
 
 def parse_rate(option: str, value: str) -> int:
-    """Bits per second of a tc rate such as ``"100mbit"`` (units kbit, mbit, gbit; SI, 1 kbit = 1000 bit/s)."""
+    """Bits per second of a tc rate such as ``"100mbit"`` (units kbit, mbit, gbit; SI, 1 kbit = 1000 bit/s).
+
+    Raises:
+        ValueError: not a rate of at least 8 kbit, naming ``option``.
+    """
     match = RATE_PATTERN.fullmatch(str(value).strip().lower())
     bits = float(match.group(1)) * RATE_UNITS[match.group(2)] if match else 0.0
     if not match or bits < 8000:
@@ -117,7 +122,11 @@ def parse_rate(option: str, value: str) -> int:
 
 
 def parse_latency(option: str, value: str) -> float:
-    """Microseconds of a tc time such as ``"0.5ms"`` (units us, ms); ``"0"`` means no added latency."""
+    """Microseconds of a tc time such as ``"0.5ms"`` (units us, ms); ``"0"`` means no added latency.
+
+    Raises:
+        ValueError: not a latency of at most 10 s, naming ``option``.
+    """
     text = str(value).strip().lower()
     if text == "0":
         return 0.0
@@ -132,12 +141,18 @@ def parse_latency(option: str, value: str) -> float:
 class ClusterSpec:
     """What to build: ``workers`` namespaces, each with ``bandwidth`` up and ``bandwidth`` down.
 
-    ``bandwidth`` is a tc rate (``"100mbit"``, ``"1gbit"``; bits per second, SI units),
-    ``latency`` the added one-way delay between two workers (``"500us"``, ``"0.5ms"``, ``"0"``),
-    ``prefix`` the start of every namespace and interface name (lowercase letter, then up to 9
-    letters or digits). ``workers_per_node`` > 1 groups ranks into nodes (rank r on node
-    r // workers_per_node): unshaped links inside a node, ``bandwidth`` up and down per node.
-    Raises ``ValueError`` naming the option on a bad value.
+    Attributes:
+        workers: worker namespaces (ranks), 1 to :data:`MAX_WORKERS`.
+        bandwidth: a tc rate (``"100mbit"``, ``"1gbit"``; bits per second, SI units).
+        latency: the added one-way delay between two workers (``"500us"``, ``"0.5ms"``, ``"0"``).
+        prefix: the start of every namespace and interface name (lowercase letter, then up to 9
+            letters or digits).
+        workers_per_node: > 1 groups ranks into nodes (rank r on node r // workers_per_node):
+            unshaped links inside a node, ``bandwidth`` up and down per node; a divisor of
+            ``workers``.
+
+    Raises:
+        ValueError: a bad value, naming the option.
     """
 
     workers: int
@@ -293,7 +308,8 @@ def cluster_available() -> tuple[bool, str]:
     try:
         _run(["ip", "netns", "add", probe], "creating a probe namespace")
         try:
-            _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"], "creating a probe veth")
+            _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
+                 "creating a probe veth")
             _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
                   "latency", "10ms"], "adding a probe tbf qdisc")
         finally:
@@ -333,8 +349,13 @@ def list_namespaces(prefix: str = "gw") -> list[str]:
 def status(prefix: str = "gw") -> dict[str, Any]:
     """What exists for ``prefix``: namespaces, and per namespace its IPv4 addresses and qdisc lines.
 
-    ``{"prefix": "gw", "exists": True, "namespaces": ["gw-hub", "gw-w0", ...],
-    "addresses": {"gw-w0": ["10.231.0.1/24"], ...}, "qdiscs": {"gw-w0": ["qdisc tbf 8001: dev eth0 root ..."], ...}}``
+    Returns:
+        ``{"prefix": "gw", "exists": True, "namespaces": ["gw-hub", "gw-w0", ...],
+        "addresses": {"gw-w0": ["10.231.0.1/24"], ...},
+        "qdiscs": {"gw-w0": ["qdisc tbf 8001: dev eth0 root ..."], ...}}``.
+
+    Raises:
+        ClusterError: ``ip``/``tc`` failed.
     """
     namespaces = list_namespaces(prefix)
     addresses: dict[str, list[str]] = {}
@@ -371,7 +392,8 @@ def _shape(namespace: str, device: str, spec: ClusterSpec, use_netem: bool) -> N
     params = tbf_parameters(spec.rate_bits)
     tbf = ["tbf", "rate", f"{spec.rate_bits}bit", "burst", str(params["burst"]), "limit", str(params["limit"])]
     if not use_netem:
-        _run(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf], f"shaping {device} in {namespace}")
+        _run(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf],
+             f"shaping {device} in {namespace}")
         return
     # netem first (holds each packet for the delay), tbf as its child (then paces it at the rate):
     # netem's own "rate" option is per-packet serialisation without bursts and GSO-unaware.
@@ -404,8 +426,11 @@ def _netem_available(namespace: str, device: str) -> bool:
 class Cluster:
     """A running emulated cluster; a context manager that tears it down on exit (even on Ctrl-C).
 
-    ``latency_emulated`` is False when ``spec.latency`` was nonzero but the kernel has no tc
-    netem, so only the bandwidth is emulated (a warning says so when the cluster comes up).
+    Attributes:
+        spec: what was built.
+        latency_emulated: False when ``spec.latency`` was nonzero but the kernel has no tc netem,
+            so only the bandwidth is emulated (a warning says so when the cluster comes up).
+        closed: True once :meth:`down` ran.
     """
 
     spec: ClusterSpec
@@ -545,12 +570,23 @@ _launches = 0
 def up(spec: ClusterSpec, *, owner_pid: Optional[int] = None, temp_dir: Optional[str] = None) -> Cluster:
     """Build the cluster ``spec`` describes and return it; on any failure delete what was built.
 
-    The state file (:mod:`.state`) is written first: the names about to be created, the owner
-    (``owner_pid``: a launcher whose death makes the cluster an orphan for :func:`down_all`;
-    None for a cluster that stays up until ``down``) and ``temp_dir`` (a launch folder that
-    ``down`` removes too). Raises ClusterUnavailableError without root/iproute2,
-    ClusterExistsError if namespaces with the prefix exist already, ClusterError if a step
-    fails. About 10 ms per ``ip``/``tc`` call, roughly 10 calls per worker.
+    The state file (:mod:`.state`) is written first, with the names about to be created, so
+    that :func:`down` finds them whatever happens next. About 10 ms per ``ip``/``tc`` call,
+    roughly 10 calls per worker.
+
+    Args:
+        spec: what to build.
+        owner_pid: a launcher whose death makes the cluster an orphan for :func:`down_all`;
+            None for a cluster that stays up until ``down``.
+        temp_dir: a launch folder that ``down`` removes too.
+
+    Returns:
+        The running :class:`Cluster`.
+
+    Raises:
+        ClusterUnavailableError: not root, no iproute2, or no namespace support.
+        ClusterExistsError: namespaces with the prefix exist already.
+        ClusterError: a step failed.
     """
     require_available()
     prefix = spec.prefix
@@ -594,7 +630,8 @@ def _build(spec: ClusterSpec) -> bool:
             namespace, node_bridge = node_namespace(prefix, node), node_bridge_name(prefix, node)
             up_link, down_link = uplink_name(prefix, node), downlink_name(prefix, node)
             _run(["ip", "netns", "add", namespace], f"creating namespace {namespace}")
-            _run(["ip", "-n", namespace, "link", "add", node_bridge, "type", "bridge"], f"creating bridge {node_bridge}")
+            _run(["ip", "-n", namespace, "link", "add", node_bridge, "type", "bridge"],
+                 f"creating bridge {node_bridge}")
             _run(["ip", "-n", namespace, "link", "set", node_bridge, "up"], f"bringing up {node_bridge}")
             _run(["ip", "link", "add", up_link, "netns", namespace, "type", "veth", "peer", "name", down_link,
                   "netns", hub], f"creating the node link {up_link}/{down_link}")
@@ -641,8 +678,12 @@ def _probe_netem(spec: ClusterSpec, namespace: str, device: str) -> bool:
 
 
 def find(prefix: str = "gw") -> Optional[Cluster]:
-    """The cluster ``prefix`` that is up and free to use (made by ``gradwire cluster up``: no live
-    owner), from its state file; None if there is none or it is incomplete."""
+    """The cluster ``prefix`` that is up and free to use, from its state file.
+
+    Returns:
+        The cluster ``gradwire cluster up`` made (no owner), or None if there is none, it belongs
+        to a launcher, or some of its namespaces are gone.
+    """
     record = state.read(prefix)
     if record is None or state.owner_alive(record) or record.get("owner"):
         return None
@@ -656,7 +697,8 @@ def _kill_namespace_processes(namespaces: Sequence[str]) -> list[int]:
     killed = []
     for namespace in namespaces:
         try:
-            pids = [int(pid) for pid in _run(["ip", "netns", "pids", namespace], f"listing processes in {namespace}").split()]
+            listed = _run(["ip", "netns", "pids", namespace], f"listing processes in {namespace}")
+            pids = [int(pid) for pid in listed.split()]
         except ClusterError:
             continue
         for pid in pids:
@@ -677,7 +719,18 @@ def down(prefix: str = "gw") -> list[str]:
     Processes still inside its namespaces (stray workers) are killed first. Deleting a namespace
     deletes the interfaces inside it (bridges, veth ends), so no interface is touched by name and
     none outside these namespaces at all. Then the ``/etc/netns`` host files, the recorded launch
-    folder and the state file go. Safe when nothing exists.
+    folder (an orphan's only: a live owner removes its own) and the state file go. Safe when
+    nothing exists.
+
+    Args:
+        prefix: the cluster's prefix.
+
+    Returns:
+        The namespace names deleted.
+
+    Raises:
+        ValueError: not a valid prefix.
+        ClusterError: a namespace could not be deleted.
     """
     if not PREFIX_PATTERN.fullmatch(str(prefix)):
         raise ValueError(f"prefix={prefix!r} is not supported; allowed: a lowercase letter followed by at most 9 "
@@ -701,7 +754,8 @@ def down(prefix: str = "gw") -> list[str]:
             shutil.rmtree(folder, ignore_errors=True)
     temp_dir = record.get("temp_dir")
     # a live owner (the launcher, on its way out) removes its own folder; an orphan's goes here
-    if temp_dir and not state.owner_alive(record) and os.path.dirname(os.path.abspath(temp_dir)) == os.path.abspath(tempfile.gettempdir()) \
+    if temp_dir and not state.owner_alive(record) \
+            and os.path.dirname(os.path.abspath(temp_dir)) == os.path.abspath(tempfile.gettempdir()) \
             and os.path.basename(temp_dir).startswith("gradwire-"):
         shutil.rmtree(temp_dir, ignore_errors=True)
     state.remove(prefix)
@@ -711,8 +765,11 @@ def down(prefix: str = "gw") -> list[str]:
 def down_all() -> tuple[list[str], list[str]]:
     """Delete every recorded cluster except those a live launcher is using.
 
-    Returns (namespaces deleted, prefixes left alone because their owner runs). A cluster of a
-    killed launcher has a dead owner and is deleted with its stray workers and temp folder.
+    A cluster of a killed launcher has a dead owner and is deleted with its stray workers and
+    temp folder.
+
+    Returns:
+        (namespaces deleted, prefixes left alone because their owner runs).
     """
     deleted: list[str] = []
     in_use: list[str] = []

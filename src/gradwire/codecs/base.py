@@ -45,7 +45,18 @@ class Codec(Configurable, ABC):
 
     @classmethod
     def from_config(cls: type[_C], config: dict[str, Any]) -> _C:
-        """Rebuild a codec from :meth:`get_config` output."""
+        """Rebuild a codec from :meth:`get_config` output.
+
+        Args:
+            config: ``{"id": name, **options}``; the ``"id"`` may be left out.
+
+        Returns:
+            A codec equal to the one the config came from.
+
+        Raises:
+            ValueError: ``config["id"]`` names another codec, or an option's value is not allowed.
+            TypeError: an option the codec does not take.
+        """
         config = dict(config)
         codec_id = config.pop("id", cls.name)
         if codec_id != cls.name:
@@ -60,9 +71,12 @@ _C = TypeVar("_C", bound=Codec)
 class IndexEncoding:
     """What an index codec produced.
 
-    ``data``: the section bytes. ``positions``: int64 array, strictly ascending, the positions
-    the decoder will reconstruct — the input itself for lossless codecs; for a Bloom filter the
-    positives the chosen policy sends. ``stats``: codec-specific counters (e.g. false positives).
+    Attributes:
+        data: the section bytes.
+        positions: int64 array, shape (count,), strictly ascending: the positions the decoder
+            will reconstruct — the input itself for lossless codecs; for a Bloom filter the
+            positives the chosen policy sends.
+        stats: codec-specific counters (e.g. false positives).
     """
 
     data: bytes
@@ -71,7 +85,15 @@ class IndexEncoding:
 
 
 class IndexCodec(Codec):
-    """Strictly ascending int64 positions in ``[0, numel)`` <-> bytes."""
+    """Strictly ascending int64 positions in ``[0, numel)`` <-> bytes.
+
+    What every index codec promises (``tests/codecs/contract.py`` checks it for each registered
+    one): a lossless codec decodes exactly the positions it was given; a lossy one (Bloom)
+    returns, in :attr:`IndexEncoding.positions`, exactly the positions its decoder will produce.
+    Subclasses document their options, whether they are lossless, the bits per index they reach
+    and their decode bound (the constants are in docs/wire-format.md, "Decode cost bounds").
+    Their ``encode``/``decode`` implement the two methods below and keep these docstrings.
+    """
 
     #: True for codecs whose decoder queries every one of the ``numel`` positions (Bloom): their
     #: cost grows with ``numel``, not with the number of indices.
@@ -79,35 +101,90 @@ class IndexCodec(Codec):
 
     @abstractmethod
     def encode(self, indices: np.ndarray, numel: int) -> IndexEncoding:
-        """Encode ``indices`` (int64, shape (k,), strictly ascending, in ``[0, numel)``)."""
+        """Encode the positions of one sparse tensor into this codec's section.
+
+        Args:
+            indices: int64, shape (k,), strictly ascending, in ``[0, numel)`` (not checked here:
+                the payload layer checks them unless told not to).
+            numel: the dense tensor's size in elements, at most 2**40.
+
+        Returns:
+            The section bytes and the positions the decoder will reconstruct (``indices`` itself
+            for a lossless codec), with codec-specific counters in ``stats``.
+
+        Raises:
+            ValueError: the codec cannot represent this input (e.g. Bloom beyond 2**32 positions).
+        """
 
     @abstractmethod
     def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
-        """Return ``count`` positions (int64, strictly ascending, in ``[0, numel)``).
+        """Read ``count`` positions back from a section.
 
-        Raises :class:`~gradwire.errors.DecodeError` on any inconsistency. Work and memory are
-        linear in ``len(data) + count`` (``tests/codecs/contract.py::check_decode_bounded``:
-        at most ``64 * (len(data) + count) + 12 MiB``), never sized by a field read from
-        ``data``; codecs that by design query every one of the ``numel`` positions (Bloom) set
+        Work and memory are linear in ``len(data) + count``
+        (``tests/codecs/contract.py::check_decode_bounded``: at most
+        ``64 * (len(data) + count) + 12 MiB``), never sized by a field read from ``data``; codecs
+        that by design query every one of the ``numel`` positions (Bloom) set
         :attr:`scans_every_position`, and the payload layer bounds ``count`` and such ``numel``
         before calling (docs/wire-format.md, "Decode cost bounds").
+
+        Args:
+            data: the section's bytes, untrusted.
+            numel: the dense size from the payload header (at most 2**40).
+            count: how many positions to produce, from the payload header (at most ``numel``).
+
+        Returns:
+            int64, shape (count,), strictly ascending, in ``[0, numel)``.
+
+        Raises:
+            DecodeError: on any inconsistency between ``data``, ``numel`` and ``count``.
         """
 
 
 class ValueCodec(Codec):
-    """1-D float tensor (CPU) <-> bytes."""
+    """1-D float tensor (CPU) <-> bytes.
+
+    What every value codec promises (``tests/codecs/contract.py`` checks it for each registered
+    one): :meth:`encode_with_reconstruction` returns bit for bit what :meth:`decode` produces
+    from the same bytes, and a lossless codec (``lossless = True``) returns its input. Values
+    follow their positions' ascending order on the wire; a codec that reorders them internally
+    carries the permutation in its own section. Subclasses document their options, the error
+    bound of a lossy codec, the bits per value they reach and their decode bound (the constants
+    are in docs/wire-format.md, "Decode cost bounds"); their ``encode``/``decode`` implement the
+    methods below and keep these docstrings.
+    """
 
     @abstractmethod
     def encode(self, values: torch.Tensor) -> bytes:
-        """Encode ``values``: shape (k,), dtype float16/bfloat16/float32/float64, on the CPU."""
+        """Encode the values of one sparse tensor into this codec's section.
+
+        Args:
+            values: shape (k,), dtype float16/bfloat16/float32/float64, on the CPU.
+
+        Returns:
+            The section bytes; the payload header records the dtype and ``k``.
+
+        Raises:
+            ValueError: the codec cannot represent this input (e.g. NaN/Inf for the
+                quantizers and curve fits).
+        """
 
     @abstractmethod
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """Return ``count`` values of ``dtype`` (shape (count,), CPU).
+        """Read ``count`` values of ``dtype`` back from a section.
 
-        Raises :class:`~gradwire.errors.DecodeError` on bad bytes; work and memory linear in
-        ``len(data) + count``, never sized by a field read from ``data`` (see
-        :meth:`IndexCodec.decode`; the payload layer bounds ``count``).
+        Work and memory linear in ``len(data) + count``, never sized by a field read from
+        ``data`` (see :meth:`IndexCodec.decode`; the payload layer bounds ``count``).
+
+        Args:
+            data: the section's bytes, untrusted.
+            count: how many values to produce, from the payload header.
+            dtype: the dtype the sender's values had (float16/bfloat16/float32/float64).
+
+        Returns:
+            shape (count,), ``dtype``, on the CPU.
+
+        Raises:
+            DecodeError: on bad bytes.
         """
 
     def encode_with_reconstruction(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
@@ -116,6 +193,16 @@ class ValueCodec(Codec):
         Error feedback needs the latter: the residual is what was meant minus what arrives.
         Lossless codecs return ``values`` itself; lossy ones decode their own bytes unless they
         override this with something cheaper.
+
+        Args:
+            values: as for :meth:`encode`.
+
+        Returns:
+            ``(section bytes, reconstruction)``; the reconstruction has ``values``' shape and
+            dtype and equals bit for bit what :meth:`decode` returns for those bytes.
+
+        Raises:
+            ValueError: as for :meth:`encode`.
         """
         data = self.encode(values)
         if self.lossless:
@@ -138,20 +225,30 @@ def _register(registry: dict[str, type], cls: type) -> type:
 
 
 def register_index_codec(cls: type[IndexCodec]) -> type[IndexCodec]:
-    """Class decorator: make ``cls`` available by ``cls.name`` and ``cls.wire_id``."""
+    """Class decorator: make ``cls`` available by ``cls.name`` and ``cls.wire_id``.
+
+    Raises:
+        ValueError: another index codec holds ``cls.wire_id``, or it is not in 1..255.
+    """
     return _register(_INDEX_CODECS, cls)
 
 
 def register_value_codec(cls: type[ValueCodec]) -> type[ValueCodec]:
-    """Class decorator: make ``cls`` available by ``cls.name`` and ``cls.wire_id``."""
+    """Class decorator: make ``cls`` available by ``cls.name`` and ``cls.wire_id``.
+
+    Raises:
+        ValueError: another value codec holds ``cls.wire_id``, or it is not in 1..255.
+    """
     return _register(_VALUE_CODECS, cls)
 
 
 def index_codec_classes() -> dict[str, type[IndexCodec]]:
+    """The registered index codec classes by name (a copy)."""
     return dict(_INDEX_CODECS)
 
 
 def value_codec_classes() -> dict[str, type[ValueCodec]]:
+    """The registered value codec classes by name (a copy)."""
     return dict(_VALUE_CODECS)
 
 
@@ -170,18 +267,44 @@ def _resolve(kind: str, registry: dict[str, type], spec: Any, params: dict[str, 
 
 
 def get_index_codec(spec: "str | dict[str, Any] | IndexCodec", **params: Any) -> IndexCodec:
-    """An index codec from a name (+ options), a config dict, or an instance (returned as is)."""
+    """An index codec from a name (+ options), a config dict, or an instance (returned as is).
+
+    Args:
+        spec: a registered name (``"rice"``), a :meth:`~Codec.get_config` dict, or an instance.
+        **params: options of the named codec; merged over a dict's own.
+
+    Returns:
+        The codec.
+
+    Raises:
+        ValueError: an unknown name, an option the codec does not take or does not allow, or
+            options given with an instance.
+    """
     return _resolve("index_codec", _INDEX_CODECS, spec, params)
 
 
 def get_value_codec(spec: "str | dict[str, Any] | ValueCodec", **params: Any) -> ValueCodec:
-    """A value codec from a name (+ options), a config dict, or an instance (returned as is)."""
+    """A value codec from a name (+ options), a config dict, or an instance (returned as is).
+
+    Args:
+        spec: a registered name (``"fp16"``), a :meth:`~Codec.get_config` dict, or an instance.
+        **params: options of the named codec; merged over a dict's own.
+
+    Returns:
+        The codec.
+
+    Raises:
+        ValueError: an unknown name, an option the codec does not take or does not allow, or
+            options given with an instance.
+    """
     return _resolve("value_codec", _VALUE_CODECS, spec, params)
 
 
 def index_codec_by_wire_id(wire_id: int) -> "type[IndexCodec] | None":
+    """The index codec class a payload record names by its one-byte id; None if unknown."""
     return next((c for c in _INDEX_CODECS.values() if c.wire_id == wire_id), None)
 
 
 def value_codec_by_wire_id(wire_id: int) -> "type[ValueCodec] | None":
+    """The value codec class a payload record names by its one-byte id; None if unknown."""
     return next((c for c in _VALUE_CODECS.values() if c.wire_id == wire_id), None)

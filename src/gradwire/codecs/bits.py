@@ -11,8 +11,10 @@ instead of allocating gigabytes.
 from __future__ import annotations
 
 import struct
+import zlib
 
 import numpy as np
+import zstandard
 
 from ..errors import DecodeError, require
 
@@ -26,16 +28,85 @@ ZSTD_MAX_RATIO = 1 << 15
 DEFLATE_MAX_RATIO = 1032
 
 
+def zstd_exact(stream: "bytes | memoryview", expected: int, what: str) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``expected`` bytes, never allocating more.
+
+    ``decompress()`` sizes its output by the frame header's content size, so that claim is
+    checked against ``expected`` before anything is decompressed; the callers have already
+    bounded ``expected`` by ``ZSTD_MAX_RATIO`` times the stream's length.
+
+    Args:
+        stream: the frame, untrusted; nothing may follow it.
+        expected: the exact decompressed size the payload header implies, in bytes.
+        what: names the section in error messages.
+
+    Returns:
+        The ``expected`` bytes.
+
+    Raises:
+        DecodeError: a malformed frame, a content size other than ``expected`` (or none), or
+            trailing bytes.
+    """
+    try:
+        declared = zstandard.frame_content_size(stream)
+    except zstandard.ZstdError as error:
+        raise DecodeError(f"{what}: bad zstd frame header: {error}") from error
+    require(declared == expected, f"{what}: zstd frame declares {declared} bytes, expected {expected}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(stream, max_output_size=expected, allow_extra_data=False)
+    except zstandard.ZstdError as error:
+        raise DecodeError(f"{what}: malformed zstd frame: {error}") from error
+    require(len(raw) == expected, f"{what}: zstd frame produced {len(raw)} bytes, expected {expected}")
+    return raw
+
+
+def inflate_exact(stream: "bytes | memoryview", expected: int, what: str) -> bytes:
+    """Inflate one raw DEFLATE stream (RFC 1951) that must hold exactly ``expected`` bytes.
+
+    The output is capped at ``expected + 1`` bytes: one byte more than expected tells a longer
+    stream (a decompression bomb stops there), and nothing larger is ever allocated.
+
+    Args:
+        stream: the stream, untrusted; nothing may follow it.
+        expected: the exact inflated size the payload header implies, in bytes.
+        what: names the section in error messages.
+
+    Returns:
+        The ``expected`` bytes.
+
+    Raises:
+        DecodeError: a malformed, truncated, longer or shorter stream, or trailing bytes.
+    """
+    decompressor = zlib.decompressobj(-zlib.MAX_WBITS)
+    try:
+        raw = decompressor.decompress(stream, expected + 1)
+    except zlib.error as error:
+        raise DecodeError(f"{what}: malformed deflate stream: {error}") from error
+    require(len(raw) <= expected, f"{what}: deflate stream holds more than {expected} bytes")
+    require(len(raw) == expected, f"{what}: deflate stream produced {len(raw)} bytes, expected {expected}")
+    require(decompressor.eof, f"{what}: deflate stream is truncated")
+    require(not decompressor.unused_data and not decompressor.unconsumed_tail,
+            f"{what}: trailing bytes after the deflate stream")
+    return raw
+
+
 def bit_width(max_value: int) -> int:
     """Bits needed to write every integer in ``[0, max_value]`` (0 for ``max_value == 0``)."""
     return int(max_value).bit_length()
 
 
 def pack_uint(values: np.ndarray, width: int) -> bytes:
-    """Pack non-negative integers of ``width`` bits each (0 <= width <= 64) into bytes.
+    """Pack non-negative integers of ``width`` bits each into bytes, LSB first.
 
-    ``values``: 1-D integer array, every element < 2**width. Output has
-    ``ceil(len(values) * width / 8)`` bytes.
+    Args:
+        values: integer array (flattened), every element < 2**width (not checked).
+        width: bits per value, 0 <= width <= 64.
+
+    Returns:
+        ``ceil(len(values) * width / 8)`` bytes, the padding bits zero.
+
+    Raises:
+        ValueError: ``width`` out of range.
     """
     if not 0 <= width <= 64:
         raise ValueError(f"width={width} is not in [0, 64]")
@@ -51,9 +122,18 @@ def pack_uint(values: np.ndarray, width: int) -> bytes:
 
 
 def unpack_uint(data: "bytes | memoryview | np.ndarray", count: int, width: int) -> np.ndarray:
-    """Inverse of :func:`pack_uint`: ``count`` integers of ``width`` bits, as uint64.
+    """Inverse of :func:`pack_uint`: ``count`` integers of ``width`` bits.
 
-    Raises DecodeError when ``data`` holds fewer than ``count * width`` bits.
+    Args:
+        data: the packed bytes, untrusted (bytes beyond the ``count * width`` bits are ignored).
+        count: values to read.
+        width: bits per value, 0 <= width <= 64.
+
+    Returns:
+        (count,) uint64.
+
+    Raises:
+        DecodeError: ``data`` holds fewer than ``count * width`` bits, or a bad ``count``/``width``.
     """
     require(0 <= width <= 64, f"bit width {width} is not in [0, 64]")
     require(count >= 0, "negative element count")
@@ -165,15 +245,18 @@ class ByteReader:
 
     @property
     def remaining(self) -> int:
+        """Bytes not read yet."""
         return len(self.view) - self.offset
 
     def take(self, size: int, what: str = "field") -> memoryview:
+        """The next ``size`` bytes (a view, no copy); DecodeError naming ``what`` if fewer remain."""
         require(0 <= size <= self.remaining, f"truncated: {what} needs {size} bytes, {self.remaining} left")
         out = self.view[self.offset : self.offset + size]
         self.offset += size
         return out
 
     def unpack(self, fmt: str, what: str = "field") -> tuple:
+        """``struct.unpack(fmt, ...)`` of the next bytes; the readers below are its one-field forms."""
         size = struct.calcsize(fmt)
         return struct.unpack(fmt, self.take(size, what))
 
@@ -190,9 +273,11 @@ class ByteReader:
         return self.unpack("<d", what)[0]
 
     def rest(self) -> memoryview:
+        """Every byte not read yet."""
         return self.take(self.remaining, "rest")
 
     def expect_end(self) -> None:
+        """DecodeError unless every byte was read."""
         require(self.remaining == 0, f"{self.remaining} trailing bytes")
 
 
@@ -206,8 +291,10 @@ __all__ = [
     "bit_width",
     "decode_varint",
     "encode_varint",
+    "inflate_exact",
     "pack_unary",
     "pack_uint",
     "unpack_unary",
     "unpack_uint",
+    "zstd_exact",
 ]

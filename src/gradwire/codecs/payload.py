@@ -37,8 +37,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..errors import DecodeError, is_integer, require
-from ..sparse import strictly_ascending
+from ..errors import DecodeError, check_int, is_integer, require
+from ..sparse import check_support, strictly_ascending
 from .base import (
     IndexCodec,
     ValueCodec,
@@ -68,12 +68,17 @@ SCAN_COST = 8
 
 
 def element_budget(payload_bytes: int) -> int:
-    """Elements a payload of ``payload_bytes`` bytes may ask for without an explicit limit:
-    ``2**19 + 8 * payload_bytes``.
+    """Elements a payload of ``payload_bytes`` bytes may ask for without an explicit limit.
 
     What a payload asks for: the sum over its tensors of ``count``, plus ``8 * numel`` for tensors
     whose index codec queries every position (Bloom). So without a limit Bloom decodes tensors
     of at most ``2**16 + payload_bytes`` elements.
+
+    Args:
+        payload_bytes: the payload's length in bytes.
+
+    Returns:
+        ``2**19 + 8 * payload_bytes``, in elements.
     """
     return DEFAULT_MIN_ELEMENTS + ELEMENTS_PER_PAYLOAD_BYTE * int(payload_bytes)
 
@@ -94,6 +99,14 @@ class EncodedTensor:
     ``indices`` and ``values`` are exactly what the receiver will decode (CPU tensors): for a
     lossy index codec the positions it sends, for a lossy value codec the reconstructed values.
     Error feedback uses them to keep ``residual = meant - received``.
+
+    Attributes:
+        indices: (count,) int64, strictly ascending, the positions the receiver decodes.
+        values: (count,) the sender's value dtype, the values the receiver decodes.
+        numel: the dense size in elements.
+        index_bytes: bytes of the index section.
+        value_bytes: bytes of the value section.
+        stats: the index codec's counters (e.g. Bloom's false positives).
     """
 
     indices: torch.Tensor
@@ -106,13 +119,19 @@ class EncodedTensor:
 
 @dataclass
 class EncodedPayload:
-    """A payload and, per tensor, what the receiver will reconstruct."""
+    """A payload and, per tensor, what the receiver will reconstruct.
+
+    Attributes:
+        payload: the bytes to send (docs/wire-format.md).
+        tensors: one :class:`EncodedTensor` per input tensor, in order.
+    """
 
     payload: bytes
     tensors: list[EncodedTensor]
 
     @property
     def bytes_on_wire(self) -> int:
+        """``len(payload)``: everything the codecs send, headers and checksum included."""
         return len(self.payload)
 
 
@@ -137,11 +156,7 @@ def _check_sparse(values: torch.Tensor, indices: torch.Tensor, numel: int) -> No
     if values.dtype not in DTYPE_CODES:
         allowed = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
         raise ValueError(f"values dtype {values.dtype} is not supported; allowed: {allowed}")
-    if indices.numel():
-        if int(indices.min()) < 0 or int(indices.max()) >= numel:
-            raise ValueError(f"indices must lie in [0, {numel})")
-        if not strictly_ascending(indices):
-            raise ValueError("indices must be strictly ascending (sorted, no duplicates)")
+    check_support(indices, numel)
 
 
 def encode_tensors(
@@ -154,12 +169,26 @@ def encode_tensors(
 ) -> EncodedPayload:
     """Encode several sparse tensors ``(values, indices, numel)`` into one payload.
 
-    ``values``: (k,) float16/bfloat16/float32/float64 on any device; ``indices``: (k,) int64,
-    strictly ascending. ``check=False`` skips validating the indices (callers that built them).
-    ``dense``: per tensor, the dense tensor (``numel`` elements, any shape) the sparse one was
-    taken from, or None. A lossy index codec (Bloom) may send positions outside ``indices``;
-    their values are read from ``dense`` when given (DeepReduce's false-positive-aware
-    scheme: the error-compensated gradient), else taken as zero.
+    A lossy index codec (Bloom) may send positions outside ``indices``; their values are read
+    from ``dense`` when given (DeepReduce's false-positive-aware scheme: the error-compensated
+    gradient), else taken as zero.
+
+    Args:
+        tensors: per tensor ``(values, indices, numel)``: ``values`` (k,) float16/bfloat16/
+            float32/float64 on any device; ``indices`` (k,) int64, strictly ascending, in
+            ``[0, numel)``; ``numel`` at most 2**40. At most 4096 tensors.
+        index_codec: the codec of every index section.
+        value_codec: the codec of every value section.
+        check: False skips validating the triples (callers that built them).
+        dense: per tensor, the dense tensor (``numel`` elements, any shape) the sparse one was
+            taken from, or None.
+
+    Returns:
+        The payload and, per tensor, what the receiver will decode (CPU tensors).
+
+    Raises:
+        ValueError: a malformed triple (with ``check``), more than 4096 tensors, a ``dense`` of
+            the wrong length or size, a section of 4 GiB or more, or what a codec refuses.
     """
     if dense is not None and len(dense) != len(tensors):
         raise ValueError(f"dense has {len(dense)} entries for {len(tensors)} tensors")
@@ -221,20 +250,29 @@ def decode_tensors(
 ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """Decode every tensor of a payload into ``(values, indices, numel)`` (CPU tensors).
 
-    Every record is checked before any section is decoded, against the first of:
+    Every record is checked before any section is decoded, against the first of
+    ``expected_numels``, ``max_numel``, or otherwise the payload's own size: at most
+    ``element_budget(len(payload))`` elements in all (counts, plus ``8 * numel`` for Bloom,
+    which queries every position). A legitimate payload beyond that (e.g. a few-byte run-length
+    code of 10**7 consecutive indices) needs ``max_numel``. Decoding then costs time and memory
+    linear in ``len(payload)`` plus the elements accepted (docs/wire-format.md, "Decode cost
+    bounds").
 
-    * ``expected_numels``: the tensors' sizes, when the receiver knows them (the DDP hook does);
-      a payload describing other sizes is refused;
-    * ``max_numel``: the largest tensor (elements) the caller accepts; larger ones are refused;
-    * otherwise the payload's own size: at most ``element_budget(len(payload))`` elements in all
-      (counts, plus ``8 * numel`` for Bloom, which queries every position). A legitimate payload
-      beyond that (e.g. a few-byte run-length code of 10**7 consecutive indices) needs
-      ``max_numel``.
+    Args:
+        payload: the bytes received, untrusted.
+        expected_numels: the tensors' sizes, when the receiver knows them (the DDP hook does);
+            a payload describing other sizes is refused.
+        max_numel: the largest tensor (elements) the caller accepts; larger ones are refused.
 
-    Decoding then costs time and memory linear in ``len(payload)`` plus the elements accepted.
-    Raises :class:`DecodeError` on anything but a well-formed payload within those limits.
+    Returns:
+        Per tensor ``(values, indices, numel)``: values (count,) in the sender's dtype, indices
+        (count,) int64 strictly ascending in ``[0, numel)``.
+
+    Raises:
+        DecodeError: anything but a well-formed payload within those limits.
+        ValueError: ``max_numel`` is not None or an int >= 0.
     """
-    _check_max_numel(max_numel)
+    check_int("max_numel", max_numel, 0, optional=True)
     try:
         view = memoryview(payload).cast("B")
     except TypeError as error:
@@ -255,10 +293,12 @@ def decode_tensors(
     if expected_numels is not None:
         sizes = [record[4] for record in records]
         require(sizes == list(expected_numels),
-                f"payload describes {len(sizes)} tensors of sizes {sizes[:4]}..., expected {list(expected_numels)[:4]}...")
+                f"payload describes {len(sizes)} tensors of sizes {sizes[:4]}..., "
+                f"expected {list(expected_numels)[:4]}...")
     if max_numel is not None:
         largest = max((record[4] for record in records), default=0)
-        require(largest <= max_numel, f"payload describes a tensor of {largest} elements, more than max_numel={max_numel}")
+        require(largest <= max_numel,
+                f"payload describes a tensor of {largest} elements, more than max_numel={max_numel}")
     elif expected_numels is None:
         _check_budget(records, len(view))
     out = []
@@ -287,12 +327,6 @@ def decode_tensors(
     require(offset == len(body), f"{len(body) - offset} trailing bytes")
     return out
 
-
-def _check_max_numel(max_numel: "int | None") -> None:
-    if max_numel is not None and (
-        not is_integer(max_numel) or max_numel < 0
-    ):
-        raise ValueError(f"max_numel={max_numel!r} is not supported; allowed: None or an int >= 0")
 
 
 def _check_budget(records: "list[tuple]", payload_bytes: int) -> None:
@@ -342,10 +376,21 @@ def encode(
 ) -> bytes:
     """Encode one sparse tensor into a self-describing payload.
 
-    ``values``: (k,) float16/bfloat16/float32/float64; ``indices``: (k,) int64, strictly
-    ascending, in ``[0, numel)``. ``options`` are routed by name to the codec(s) that accept
-    them (e.g. ``bits=4`` to ``qsgd``, ``fpr=0.01`` to ``bloom``); an option no chosen codec
-    accepts is a ``ValueError``.
+    Args:
+        values: (k,) float16/bfloat16/float32/float64.
+        indices: (k,) int64, strictly ascending, in ``[0, numel)``.
+        numel: the dense size in elements, at most 2**40.
+        value_codec: a value codec name, config dict or instance (default ``"fp32"``).
+        index_codec: an index codec name, config dict or instance (default ``"eliasfano"``).
+        **options: routed by name to the codec(s) that accept them (e.g. ``bits=4`` to
+            ``qsgd``, ``fpr=0.01`` to ``bloom``).
+
+    Returns:
+        The payload bytes (docs/wire-format.md).
+
+    Raises:
+        ValueError: a malformed triple, an unknown codec, or an option no chosen codec accepts
+            or allows.
 
     >>> import torch, gradwire.codecs as codecs
     >>> payload = codecs.encode(torch.tensor([0.5, -2.0]), torch.tensor([3, 7]), 10, index_codec="rice")
@@ -360,7 +405,17 @@ def resolve_codecs(
 ) -> tuple[ValueCodec, IndexCodec]:
     """Build both codecs, routing each option to the codec(s) whose parameters name it.
 
-    A codec given as an instance takes no options (they were fixed when it was built).
+    Args:
+        value_codec: a value codec name, config dict or instance.
+        index_codec: an index codec name, config dict or instance.
+        options: options of either codec; an instance takes none (they were fixed when it was
+            built).
+
+    Returns:
+        ``(value codec, index codec)``.
+
+    Raises:
+        ValueError: an unknown codec, or an option neither codec accepts or allows.
     """
     from .base import Codec, index_codec_classes, value_codec_classes
 
@@ -397,7 +452,17 @@ def encode_sparse(
 ) -> EncodedPayload:
     """Like :func:`encode`, but also return what the receiver will reconstruct (for error feedback).
 
-    ``dense``: the tensor the sparse one was taken from; see :func:`encode_tensors`.
+    Takes :func:`encode`'s arguments, and two more.
+
+    Args:
+        check: False skips validating the triple (callers that built it).
+        dense: the tensor the sparse one was taken from; see :func:`encode_tensors`.
+
+    Returns:
+        The payload and what the receiver will decode (:class:`EncodedPayload`, one tensor).
+
+    Raises:
+        ValueError: as for :func:`encode`.
     """
     values_codec_obj, index_codec_obj = resolve_codecs(value_codec, index_codec, options)
     return encode_tensors(
@@ -410,8 +475,18 @@ def decode(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Decode a one-tensor payload into ``(values, indices, numel)``; values keep the sender's dtype.
 
-    ``max_numel``: the largest tensor the caller accepts; without it the declared sizes are
-    bounded by the payload's size (see :func:`decode_tensors`).
+    Args:
+        payload: the bytes received, untrusted.
+        max_numel: the largest tensor the caller accepts, in elements; without it the declared
+            sizes are bounded by the payload's size (see :func:`decode_tensors`).
+
+    Returns:
+        values (count,) in the sender's dtype, indices (count,) int64 strictly ascending in
+        ``[0, numel)``, and ``numel``; CPU tensors.
+
+    Raises:
+        DecodeError: a malformed payload, one beyond the limit, or one of several tensors.
+        ValueError: ``max_numel`` is not None or an int >= 0.
     """
     tensors = decode_tensors(payload, max_numel=max_numel)
     require(len(tensors) == 1, f"payload holds {len(tensors)} tensors; use decode_tensors")

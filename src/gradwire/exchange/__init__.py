@@ -1,6 +1,9 @@
 """Collectives over torch.distributed and the cost model that chooses between them.
 
-Knows nothing of sparsifiers or codecs: it moves tensors and byte strings between ranks.
+Knows nothing of sparsifiers or codecs: it moves tensors and byte strings between ranks. Which
+module does what, and where each collective sits on the path of one gradient through the hook:
+docs/architecture.md ("Layers", "The path of one gradient", "Sparse AllReduce and hierarchical
+exchange").
 """
 
 from .collectives import (

@@ -66,7 +66,15 @@ STRATEGIES = ("dense", "quantized-allreduce", "shared-support", "allgather", "sp
 
 @dataclass(frozen=True)
 class Link:
-    """``alpha``: seconds per round; ``beta``: seconds per byte one worker sends."""
+    """One link's cost constants.
+
+    Attributes:
+        alpha: seconds per round (latency), >= 0.
+        beta: seconds per byte one worker sends (inverse bandwidth), >= 0.
+
+    Raises:
+        ValueError: a negative constant.
+    """
 
     alpha: float
     beta: float
@@ -85,7 +93,18 @@ class Link:
 
 @dataclass(frozen=True)
 class Cost:
-    """One strategy's prediction: rounds/bytes on the main link, on the in-node link, decode work."""
+    """One strategy's prediction: rounds/bytes on the main link, on the in-node link, decode work.
+
+    Attributes:
+        strategy: its name, one of :data:`STRATEGIES`.
+        rounds: rounds on the critical path over the main link.
+        bytes_sent: bytes the busiest worker sends over the main link.
+        decoded_entries: sparse entries one worker decodes and adds.
+        intra_rounds: rounds over the in-node link (hierarchical only).
+        intra_bytes: bytes over the in-node link (hierarchical only).
+        cpu_seconds: seconds of CPU work the strategy needs before anything travels (selection,
+            encoding), as the caller measured them; dense needs none.
+    """
 
     strategy: str
     rounds: float
@@ -93,24 +112,37 @@ class Cost:
     decoded_entries: float
     intra_rounds: float = 0.0
     intra_bytes: float = 0.0
-    #: seconds of CPU work the strategy needs before anything travels (selection, encoding), as the
-    #: caller measured them; dense needs none
     cpu_seconds: float = 0.0
 
     def seconds(self, link: Link, *, decode_per_entry: float = 0.0, intra: Optional[Link] = None) -> float:
+        """The predicted time, ``α·rounds + β·bytes + γ·decoded + cpu`` (module docstring).
+
+        Args:
+            link: the main link.
+            decode_per_entry: γ, seconds per decoded entry.
+            intra: the in-node link (None: the main one).
+
+        Returns:
+            Seconds per step and bucket.
+        """
         inner = intra or link
         return (link.alpha * self.rounds + link.beta * self.bytes_sent + decode_per_entry * self.decoded_entries
                 + inner.alpha * self.intra_rounds + inner.beta * self.intra_bytes + self.cpu_seconds)
 
 
 def dense_allreduce(numel: int, world_size: int, element_bytes: int = 4) -> Cost:
+    """A ring AllReduce of ``numel`` elements of ``element_bytes`` bytes: ``2(p-1)`` rounds."""
     p = world_size
     return Cost("dense", 2 * (p - 1), 2 * (p - 1) / p * numel * element_bytes if p > 1 else 0.0, 0.0)
 
 
 def quantized_allreduce_cost(numel: int, world_size: int, *, bits: int, block_size: int) -> Cost:
-    """:func:`.quantized_allreduce` of ``numel`` float32 values: a quantized reduce-scatter and an
-    AllGather of the re-quantized shards, each ``(p-1)`` chunks of ``quantized_bytes(ceil(numel/p))``."""
+    """:func:`.quantized_allreduce` of ``numel`` float32 values.
+
+    A quantized reduce-scatter and an AllGather of the re-quantized shards, each ``(p-1)`` chunks
+    of ``quantized_bytes(ceil(numel/p))``; ``bits`` (8 or 4) and ``block_size`` as the exchange
+    takes them.
+    """
     p = world_size
     if p == 1:
         return Cost("quantized-allreduce", 0, 0.0, 0.0)
@@ -126,8 +158,15 @@ def shared_support_allreduce(k: int, world_size: int, value_bytes: int = 4) -> C
 
 def allgather_payloads(k: int, world_size: int, entry_bytes: float, *, header_bytes: int = 64,
                        length_round: bool = True) -> Cost:
-    """Ring AllGather of every rank's payload of ``k`` entries (+ header); every rank decodes the
-    ``p-1`` others. ``length_round``: a blocking AllGather of lengths first (first sight of a layout)."""
+    """Ring AllGather of every rank's payload of ``k`` entries; every rank decodes the ``p-1`` others.
+
+    Args:
+        k: entries per payload.
+        world_size: ranks, ``p``.
+        entry_bytes: bytes per coded entry.
+        header_bytes: bytes of a payload beyond its entries.
+        length_round: a blocking AllGather of lengths first (first sight of a layout).
+    """
     p = world_size
     rounds = (p - 1) * (2 if length_round else 1)
     sent = (p - 1) * (k * entry_bytes + header_bytes + (8 if length_round else 0))
@@ -136,11 +175,20 @@ def allgather_payloads(k: int, world_size: int, entry_bytes: float, *, header_by
 
 def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, summary_size: Optional[int] = None,
                           imbalance: float = 1.0, levels: int = 1, count_bytes: int = 4) -> Cost:
-    """:func:`.sparse_allreduce` with ``k`` entries contributed per rank and ``k`` kept overall;
-    ``imbalance``: the busiest region's kept entries over the mean (1.0 when balanced, up to p);
-    ``summary_size``: histogram bins per level (None: sized by ``k``, as the code does); ``levels``:
-    histogram levels (1: with a good hint; 2: typical without); ``count_bytes``: bytes per count (2 for
-    tensors of at most 32767 elements)."""
+    """:func:`.sparse_allreduce` with ``k`` entries contributed per rank and ``k`` kept overall.
+
+    Args:
+        k: entries per rank and kept overall.
+        world_size: ranks, ``p``.
+        entry_bytes: bytes per coded entry (8: raw int32 index and float32 value).
+        summary_size: histogram bins per level (None: sized by ``k``, as the code does).
+        imbalance: the busiest region's kept entries over the mean (1.0 when balanced, up to p).
+        levels: histogram levels (1: with a good hint; 2: typical without).
+        count_bytes: bytes per count (2 for tensors of at most 32767 elements).
+
+    Returns:
+        The prediction (the module docstring's row).
+    """
     p = world_size
     if p == 1:
         return Cost("sparse-allreduce", 0, 0.0, 0.0)
@@ -154,9 +202,13 @@ def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, 
 
 def hierarchical_cost(numel: int, k: int, nodes: int, local_size: int, entry_bytes: float = 8.0, *,
                       summary_size: Optional[int] = None, imbalance: float = 1.0) -> Cost:
-    """:func:`.hierarchical_sparse_allreduce`: in-node dense reduce-scatter, the sparse AllReduce of
-    one shard (``k / local_size`` entries) across ``nodes``, in-node AllGather of the shards' results
-    (12 bytes per entry + a 4-byte flag, after a lengths round)."""
+    """:func:`.hierarchical_sparse_allreduce` of ``numel`` elements keeping ``k``.
+
+    An in-node dense reduce-scatter, the sparse AllReduce of one shard (``k / local_size`` entries)
+    across ``nodes`` (:func:`sparse_allreduce_cost`, with ``entry_bytes``, ``summary_size`` and
+    ``imbalance``), and an in-node AllGather of the shards' results (12 bytes per entry + a
+    4-byte flag, after a lengths round), booked on the in-node link.
+    """
     local = local_size
     cross = sparse_allreduce_cost(k // local, nodes, entry_bytes, summary_size=summary_size, imbalance=imbalance)
     intra_rounds = 4 * (local - 1)  # reduce-scatter counts + data, allgather lengths + data
@@ -167,8 +219,21 @@ def hierarchical_cost(numel: int, k: int, nodes: int, local_size: int, entry_byt
 
 
 def choose(costs: list[Cost], link: Link, *, decode_per_entry: float = 0.0, intra: Optional[Link] = None) -> str:
-    """The strategy predicted fastest. ``costs`` must include ``dense``; a strategy wins only if it is
-    predicted strictly faster than dense, ties go to the earlier name in :data:`STRATEGIES`."""
+    """The strategy predicted fastest, a pure function of its arguments (ranks agree).
+
+    Args:
+        costs: the candidates; must include ``dense``.
+        link: the main link.
+        decode_per_entry: γ, seconds per decoded entry.
+        intra: the in-node link (None: the main one).
+
+    Returns:
+        The winner's name: a strategy wins only if it is predicted strictly faster than dense;
+        ties go to the earlier name in :data:`STRATEGIES`.
+
+    Raises:
+        ValueError: no ``dense`` among ``costs``.
+    """
     times = {c.strategy: c.seconds(link, decode_per_entry=decode_per_entry, intra=intra) for c in costs}
     if "dense" not in times:
         raise ValueError("choose() needs the dense AllReduce's cost among the candidates")

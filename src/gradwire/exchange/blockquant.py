@@ -99,7 +99,8 @@ def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int) -> tor
     Args:
         data: uint8, shape ``(..., quantized_bytes(n, bits, block_size))``, one chunk per row.
         n: values per chunk (known to the receiver, never read off the wire).
-        bits, block_size: as the sender used.
+        bits: as the sender used.
+        block_size: as the sender used.
 
     Returns:
         float32, shape ``(..., n)``, on ``data``'s device; NaN throughout a block whose scale is NaN.
@@ -117,8 +118,20 @@ def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int) -> tor
 
 
 def roundtrip(x: torch.Tensor, *, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed, dequantize(packed))`` for ``x`` (``(..., n)`` float32): what a receiver will see,
-    computed without unpacking the bytes again."""
+    """``(packed, dequantize(packed))`` for ``x``: what a receiver will see, without unpacking again.
+
+    Args:
+        x: float32, shape ``(..., n)``, as for :func:`quantize`.
+        bits: 8 or 4.
+        block_size: values per scale, >= 1.
+
+    Returns:
+        The uint8 chunks :func:`quantize` returns and their float32 ``(..., n)`` decoding, bit for
+        bit what :func:`dequantize` gives.
+
+    Raises:
+        ValueError: as for :func:`quantize`.
+    """
     _check_input(x, bits, block_size)
     scales, codes = _scales_and_codes(x, bits, block_size)
     return _pack(scales, codes, bits), _scaled(codes, scales, x.shape[-1], block_size)

@@ -38,7 +38,20 @@ def _timed_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], r
 
 
 def measure_link(group: Optional[dist.ProcessGroup] = None, *, large_bytes: int = 1 << 20, repeats: int = 3) -> Link:
-    """The group's :class:`Link`, identical on every rank (``Link(0, 0)`` for a group of one)."""
+    """The group's :class:`Link`, identical on every rank (``Link(0, 0)`` for a group of one).
+
+    Args:
+        group: the process group (None: the default one); every member must call.
+        large_bytes: the large AllReduce's size in bytes, >= 64 (default 1 MiB).
+        repeats: timed repetitions of each AllReduce, best taken, >= 1.
+
+    Returns:
+        α and β, the maximum over the ranks of each.
+
+    Raises:
+        ValueError: ``large_bytes`` or ``repeats`` out of range.
+        CollectiveError: an AllReduce failed.
+    """
     size = group_size(group)
     if size == 1:
         return Link(0.0, 0.0)

@@ -4,11 +4,13 @@ A failed ``Work`` (a peer died, the connection broke, the group timed out) must 
 rank go on with a buffer the collective did not write. Every function here waits on its work
 and turns any failure into :class:`CollectiveError` (``"<what>: <collective> failed: ..."``).
 
-Everything runs as ``all_to_all_single`` (works on gloo and NCCL; uneven ones with split sizes,
-after a round that tells every receiver what it gets): gloo has no uneven list ``all_to_all`` and
-no ``all_gather`` of uneven sizes, padding would make the busiest rank set everyone's volume, and
-a full-mesh exchange lets every survivor notice a dead peer itself (see :func:`allgather_tensor`).
-A world of one never touches ``torch.distributed``.
+Every exchange of data runs as ``all_to_all_single`` (works on gloo and NCCL; uneven ones with
+split sizes, after a round that tells every receiver what it gets): gloo has no uneven list
+``all_to_all`` and no ``all_gather`` of uneven sizes, padding would make the busiest rank set
+everyone's volume, and a full-mesh exchange lets every survivor notice a dead peer itself (see
+:func:`allgather_tensor`). The one exception is :func:`allreduce_sum_checked`, a plain
+``all_reduce`` for a few words (region boundaries' votes). A world of one never touches
+``torch.distributed``.
 
 Each wait is bounded by :func:`time_limit` where a caller set one (the hook sets its
 ``collective_timeout`` around every exchange), else by the process group's own timeout: a peer
@@ -30,10 +32,12 @@ from ..lifetime import wait_for
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks in ``group`` (None: the default group); 1 without an initialized process group."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This rank's rank in ``group`` (-1 if not a member); 0 without an initialized process group."""
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -51,8 +55,16 @@ def time_limit(seconds: Optional[float]) -> Iterator[None]:
 
 
 def wait_checked(work: object, what: str, collective: str) -> None:
-    """Wait for ``work``; raise :class:`CollectiveError` naming ``collective`` if it failed or
-    outlasted :func:`time_limit`."""
+    """Wait for ``work``, keeping it referenced (:mod:`gradwire.lifetime`).
+
+    Args:
+        work: what a ``dist`` collective started with ``async_op=True`` returned.
+        what: the caller, for the message.
+        collective: which collective, for the message.
+
+    Raises:
+        CollectiveError: it failed, reported no success, or outlasted :func:`time_limit`.
+    """
     seconds = _time_limit.get()
     try:
         ok = wait_for(work, seconds, collective)  # keeps the Work alive (gradwire.lifetime)
@@ -67,12 +79,25 @@ def wait_checked(work: object, what: str, collective: str) -> None:
 
 def allgather_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
                      collective: str) -> torch.Tensor:
-    """All ranks' equally shaped ``tensor``s stacked in rank order: shape ``(p, *tensor.shape)``.
+    """All ranks' equally shaped ``tensor``s stacked in rank order.
 
     Runs as an ``all_to_all_single`` (each rank sends its tensor to every peer: the same
     ``(p-1) * size`` bytes as a ring) so that every rank talks to every peer directly: a dead peer
     fails each survivor's own transfer at once, where in a ring a survivor two hops away would wait
-    for a neighbour that has already given up, until the group's timeout."""
+    for a neighbour that has already given up, until the group's timeout.
+
+    Args:
+        tensor: the same shape and dtype on every rank, on the group's device.
+        group: the process group (None: the default one).
+        what: the caller, for error messages.
+        collective: the collective's name, for error messages.
+
+    Returns:
+        Shape ``(p, *tensor.shape)``, row r from rank r.
+
+    Raises:
+        CollectiveError: the exchange failed.
+    """
     size = group_size(group)
     if size == 1:
         return tensor.unsqueeze(0).clone()
@@ -84,7 +109,7 @@ def allgather_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *
 
 def allreduce_sum_checked(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
                           collective: str) -> torch.Tensor:
-    """In-place SUM AllReduce of ``tensor``; returns it."""
+    """In-place SUM AllReduce of ``tensor``; returns it. CollectiveError if it fails."""
     if group_size(group) > 1:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
         wait_checked(work, what, collective)
@@ -93,10 +118,23 @@ def allreduce_sum_checked(tensor: torch.Tensor, group: Optional[dist.ProcessGrou
 
 def alltoallv(buffer: torch.Tensor, send_counts: list[int], group: Optional[dist.ProcessGroup], *,
               what: str, collective: str) -> tuple[torch.Tensor, list[int]]:
-    """Send ``buffer[sum(send_counts[:j]) : ...+send_counts[j]]`` to rank j (1-D ``buffer``).
+    """Send ``buffer[sum(send_counts[:j]) : ...+send_counts[j]]`` to rank j: an uneven all-to-all.
 
-    Two rounds: the counts (int64, ``p`` each), then the data. Returns the received buffer
-    (rank order) and the counts received from each rank.
+    Two rounds: the counts (int64, ``p`` each), then the data.
+
+    Args:
+        buffer: 1-D, the pieces for rank 0, 1, ... concatenated.
+        send_counts: elements for each rank, ``p`` ints summing to ``len(buffer)``.
+        group: the process group (None: the default one).
+        what: the caller, for error messages.
+        collective: the collective's name, for error messages.
+
+    Returns:
+        The received buffer (rank order, ``buffer``'s dtype and device) and the counts received
+        from each rank.
+
+    Raises:
+        CollectiveError: a round failed or a peer sent a negative count.
     """
     size = group_size(group)
     if size == 1:
@@ -117,18 +155,40 @@ def alltoallv(buffer: torch.Tensor, send_counts: list[int], group: Optional[dist
 
 def allgatherv(buffer: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
                collective: str) -> tuple[torch.Tensor, list[int]]:
-    """AllGather of uneven 1-D buffers without padding: every rank's ``buffer`` concatenated in
-    rank order, and the length of each. Runs as an ``all_to_all_single`` that sends one's own
-    buffer to every peer, so a rank sends ``(p-1) * len(buffer)`` elements, not ``(p-1) * max``."""
+    """AllGather of uneven 1-D buffers without padding.
+
+    Runs as an ``all_to_all_single`` that sends one's own buffer to every peer, so a rank sends
+    ``(p-1) * len(buffer)`` elements, not ``(p-1) * max``; a lengths round goes first.
+
+    Returns:
+        Every rank's ``buffer`` concatenated in rank order, and the length of each. Arguments
+        and errors as for :func:`allgatherv_tagged`.
+    """
     received, lengths, _ = allgatherv_tagged(buffer, 0, group, what=what, collective=collective)
     return received, lengths
 
 
 def allgatherv_tagged(buffer: torch.Tensor, tag: int, group: Optional[dist.ProcessGroup], *, what: str,
                       collective: str) -> tuple[torch.Tensor, list[int], list[int]]:
-    """:func:`allgatherv` whose lengths round also carries one ``tag`` per rank (``0 <= tag < 2^31``,
-    in the same int64 word as the length, ``< 2^32``: no extra bytes), e.g. for the ranks to check,
-    before the data moves, that they agree on something. Returns the buffers, lengths and tags."""
+    """:func:`allgatherv` whose lengths round also carries one ``tag`` per rank.
+
+    The tag shares the length's int64 word (no extra bytes), e.g. for the ranks to check, before
+    the data moves, that they agree on something.
+
+    Args:
+        buffer: 1-D, under 2**32 elements, on the group's device; any length per rank.
+        tag: ``0 <= tag < 2^31``.
+        group: the process group (None: the default one).
+        what: the caller, for error messages.
+        collective: the collective's name, for error messages.
+
+    Returns:
+        The buffers concatenated in rank order, their lengths, and the ranks' tags.
+
+    Raises:
+        ValueError: ``tag`` or the buffer's length out of range.
+        CollectiveError: a round failed or a peer sent a malformed word.
+    """
     if not 0 <= tag < 2**31 or buffer.numel() >= 2**32:
         raise ValueError(f"{what}: tag={tag} must be in [0, 2^31) and the buffer under 2^32 elements")
     size = group_size(group)

@@ -10,7 +10,10 @@ Byte strings travel as uint8 tensors, in one of two ways:
   than the frame sends its first ``capacity`` bytes and :func:`gather_overflow` sends the rest
   in a second round that every rank, having seen the same lengths, agrees to run.
 
-Nothing is pickled; receivers parse the bytes with the codecs' checked decoder.
+Nothing is pickled; receivers parse the bytes with the codecs' checked decoder. When the hook
+takes which form (a bucket layout's first step, then frames whose size follows the lengths) and
+how it completes them: docs/architecture.md, "The path of one gradient", steps 5-6; the frames'
+bytes: docs/wire-format.md, "How payloads travel between ranks".
 
 Asynchronous rounds return a :class:`~.inflight.Launched`: its buffers are read only on the
 caller's thread, after the wait succeeded, so a collective that failed (a peer died) surfaces as
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..lifetime import wait_for
+from .checked import group_size
 from .inflight import Launched
 
 
@@ -41,14 +45,18 @@ def communication_device(group: Optional[dist.ProcessGroup] = None) -> torch.dev
     return torch.device("cpu")
 
 
-def world_size_of(group: Optional[dist.ProcessGroup]) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+#: The group's size, 1 without an initialized process group (the name the front-ends import).
+world_size_of = group_size
 
 
 def allreduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
                   collective: str = "AllReduce") -> Launched[torch.Tensor]:
-    """Start an in-place SUM AllReduce; ``result()`` is ``tensor`` (summed). ``collective``
-    names it in errors."""
+    """Start an in-place SUM AllReduce of ``tensor`` (on the group's device).
+
+    Returns:
+        A :class:`~.inflight.Launched` whose ``result()`` is ``tensor``, summed; ``collective``
+        names it in errors.
+    """
     if world_size_of(group) == 1:
         return Launched.ready(tensor, collective)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -56,11 +64,18 @@ def allreduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = Non
 
 
 class ByteGather:
-    """AllGather of one byte string per rank.
+    """AllGather of one byte string per rank, in two rounds.
 
     ``lengths()`` exchanges the payload sizes (blocking: a few bytes); the caller may decide on
     that basis (every rank sees the same lengths, so every rank decides the same); ``start()``
     launches the padded AllGather; its ``result()`` is the list of per-rank ``memoryview``s.
+
+    Args:
+        payload: this rank's bytes.
+        group: the process group (None: the default one).
+        valid: False flags this rank's payload invalid (its gradient held NaN/Inf): it sends
+            nothing and its length reads -1 on every rank.
+        timeout: seconds the blocking lengths round waits at most (None: the group's own limit).
     """
 
     def __init__(self, payload: bytes, group: Optional[dist.ProcessGroup] = None, *, valid: bool = True,
@@ -88,6 +103,7 @@ class ByteGather:
         return self._lengths
 
     def start(self) -> Launched[list[memoryview]]:
+        """Launch the AllGather of the payloads padded to the longest; ``result()`` is one view per rank."""
         lengths = [max(n, 0) for n in self.lengths()]
         if self.world_size == 1:
             return Launched.ready([memoryview(self.payload)], "AllGather of payloads")
@@ -118,10 +134,22 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
                   valid: bool = True) -> Launched[tuple[list[int], list[memoryview]]]:
     """Start one AllGather of fixed-size frames (``FRAME_HEADER_BYTES + capacity`` bytes per rank).
 
-    Every rank must pass the same ``capacity``. The ``result()`` is ``(lengths, heads)``: the
-    payload length of each rank (-1 where ``valid=False``) and a ``memoryview`` of the first
-    ``min(length, capacity)`` bytes of its payload. Where a length exceeds ``capacity`` the
-    rest must be fetched with :func:`gather_overflow`, on every rank, in the same order.
+    Where a length exceeds ``capacity`` the rest must be fetched with :func:`gather_overflow`, on
+    every rank, in the same order.
+
+    Args:
+        payload: this rank's bytes.
+        capacity: payload bytes per frame, >= 0, the same on every rank.
+        group: the process group (None: the default one).
+        valid: False flags this rank's payload invalid: its length reads -1 everywhere.
+
+    Returns:
+        A :class:`~.inflight.Launched` whose ``result()`` is ``(lengths, heads)``: the payload
+        length of each rank (-1 where ``valid=False``) and a ``memoryview`` of the first
+        ``min(length, capacity)`` bytes of its payload.
+
+    Raises:
+        ValueError: a negative ``capacity``.
     """
     if capacity < 0:
         raise ValueError(f"capacity={capacity} must be >= 0")
@@ -149,9 +177,22 @@ def gather_frames(payload: bytes, capacity: int, group: Optional[dist.ProcessGro
 
 def gather_overflow(payload: bytes, capacity: int, lengths: list[int],
                     group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[float] = None) -> list[memoryview]:
-    """Blocking second round after :func:`gather_frames`: each rank's bytes beyond ``capacity``
-    (empty where its payload fitted), in rank order. ``lengths`` are the frames' lengths, the
-    same on every rank, so every rank sends and expects the same sizes."""
+    """Blocking second round after :func:`gather_frames`: each rank's bytes beyond ``capacity``.
+
+    Args:
+        payload: this rank's whole payload.
+        capacity: the frames' capacity.
+        lengths: the frames' lengths, the same on every rank, so every rank sends and expects
+            the same sizes.
+        group: the process group (None: the default one).
+        timeout: seconds to wait at most (None: the group's own limit).
+
+    Returns:
+        Per rank, in rank order, its bytes beyond ``capacity`` (empty where its payload fitted).
+
+    Raises:
+        RuntimeError: the AllGather failed or timed out.
+    """
     world_size = world_size_of(group)
     rest = [max(n - capacity, 0) for n in lengths]
     if world_size == 1:
@@ -174,6 +215,17 @@ def check_same_on_all_ranks(description: str, group: Optional[dist.ProcessGroup]
 
     Compares a 63-bit hash, so ranks configured differently fail with a clear message at first
     use instead of deadlocking in mismatched collectives later.
+
+    Args:
+        description: what must agree (the hook passes ``ExchangeConfig.describe()``).
+        group: the process group (None: the default one).
+        on_mismatch: builds extra detail for the message from every rank's hash.
+        timeout: seconds to wait at most (None: the group's own limit).
+
+    Raises:
+        ValueError: some rank's description differs (every rank raises).
+        RuntimeError: the AllGather did not complete: a rank is missing, dead, or runs without
+            the hook.
     """
     if world_size_of(group) == 1:
         return

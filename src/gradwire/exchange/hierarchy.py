@@ -46,8 +46,16 @@ WHAT = "hierarchical_sparse_allreduce"
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """This rank's place in a ``nodes x local_size`` world and its two groups (``intra``: its node;
-    ``cross``: the same local rank on every node)."""
+    """This rank's place in a ``nodes x local_size`` world and its two groups.
+
+    Attributes:
+        nodes: nodes in the world.
+        local_size: ranks per node.
+        node: this rank's node.
+        local_rank: this rank's place in its node.
+        intra: the group of its node (None in a world of one).
+        cross: the group of the same local rank on every node (None in a world of one).
+    """
 
     nodes: int
     local_size: int
@@ -58,12 +66,21 @@ class Hierarchy:
 
 
 def build_hierarchy(local_size: int, ranks: Optional[Sequence[int]] = None) -> Optional[Hierarchy]:
-    """Create the intra- and cross-node groups over ``ranks`` (global ranks, default: the world;
-    node n is ``ranks[n*local_size : (n+1)*local_size]``). Returns None on ranks not in ``ranks``.
+    """Create the intra- and cross-node groups over ``ranks``.
 
     Collective over the whole world: every rank must call it with the same arguments, in the same
-    order relative to other group creations (``dist.new_group``'s rule). ``local_size`` must divide
-    ``len(ranks)`` (``ValueError`` naming both otherwise).
+    order relative to other group creations (``dist.new_group``'s rule).
+
+    Args:
+        local_size: ranks per node, dividing ``len(ranks)``.
+        ranks: global ranks (default: the world); node n is
+            ``ranks[n*local_size : (n+1)*local_size]``.
+
+    Returns:
+        This rank's :class:`Hierarchy`, or None on ranks not in ``ranks``.
+
+    Raises:
+        ValueError: ``local_size`` does not divide the number of ranks (naming both).
     """
     world, rank = group_size(None), group_rank(None)
     members = list(range(world)) if ranks is None else [int(r) for r in ranks]
@@ -83,11 +100,19 @@ def build_hierarchy(local_size: int, ranks: Optional[Sequence[int]] = None) -> O
 
 @dataclass(frozen=True)
 class HierarchicalResult:
-    """``indices`` (m,) int64 ascending and ``values`` (m,) float32 over the whole flat space,
-    identical on every rank; ``finite`` False on every rank if any shard saw NaN/Inf. ``shard``:
-    this rank's ``[start, stop)``; ``shard_sum``: the node's sum there; ``shard_indices``: what
-    ``select`` chose (relative to ``start``); ``inner``: the cross-node exchange of the shard.
-    Bytes this rank sent, by collective: ``sent_intra`` (node links) and ``sent_cross``."""
+    """What :func:`hierarchical_sparse_allreduce` returns.
+
+    Attributes:
+        indices: (m,) int64 ascending over the whole flat space, identical on every rank.
+        values: (m,) float32, the sum there (not divided by p), identical on every rank.
+        finite: False on every rank if any shard saw NaN/Inf.
+        shard: this rank's ``[start, stop)``.
+        shard_sum: (stop - start,) float32, the node's sum there.
+        shard_indices: what ``select`` chose, relative to ``start``.
+        inner: the cross-node exchange of the shard.
+        sent_intra: bytes this rank sent over the node links, by collective (``sent_cross``: the
+            cross-node ones).
+    """
 
     indices: torch.Tensor
     values: torch.Tensor
@@ -100,6 +125,7 @@ class HierarchicalResult:
 
     @property
     def sent_cross(self) -> dict[str, int]:
+        """Bytes this rank sent across nodes, by collective."""
         return self.inner.sent_by_collective
 
     def residual(self, numel: int) -> torch.Tensor:
@@ -111,8 +137,19 @@ class HierarchicalResult:
 
 
 def node_reduce_scatter(dense: torch.Tensor, hierarchy: Hierarchy) -> tuple[torch.Tensor, int]:
-    """This rank's shard of the node's dense sum (float32; summed in local-rank order) and the
-    bytes this rank sent. ``dense``: this rank's flat float32 gradient, the same length on all."""
+    """Step 1: this rank's shard of the node's dense sum.
+
+    Args:
+        dense: this rank's flat float32 gradient, the same length on every rank of the node.
+        hierarchy: this rank's place.
+
+    Returns:
+        The shard's float32 sum (in local-rank order) and the bytes this rank sent.
+
+    Raises:
+        ValueError: the node's ranks passed gradients of different lengths.
+        CollectiveError: the exchange failed.
+    """
     flat = dense.reshape(-1)
     shards = equal_boundaries(flat.numel(), hierarchy.local_size)
     lengths = [b - a for a, b in zip(shards, shards[1:])]
@@ -131,11 +168,29 @@ def hierarchical_sparse_allreduce(*, dense: torch.Tensor, k: int, hierarchy: Hie
                                   select: Callable[[torch.Tensor], torch.Tensor],
                                   boundaries: Optional[Sequence[int]] = None, codec: Optional[RegionCodec] = None,
                                   summary_size: Optional[int] = None) -> HierarchicalResult:
-    """See the module docstring. ``dense``: this rank's compensated gradient (flat float32, same
-    length on every rank); ``select(shard_sum) -> int64 ascending positions`` in the shard;
-    ``boundaries``: cross-node regions within this rank's shard (``nodes + 1`` ints; equal if None),
-    e.g. from :func:`.balanced_boundaries` over ``hierarchy.cross``; ``summary_size``: the cross-node
-    sparse AllReduce's histogram bins per level (None: sized by the shard's k). Blocking."""
+    """Dense inside the node, sparse across nodes, shared inside the node (module docstring).
+
+    Blocking; every rank calls it with the same sizes, in the same order.
+
+    Args:
+        dense: this rank's compensated gradient, flat float32, the same length on every rank.
+        k: entries to keep over the whole space (split over the shards by length).
+        hierarchy: this rank's place (:func:`build_hierarchy`).
+        select: ``select(shard_sum)`` returns int64 ascending positions in the shard.
+        boundaries: cross-node regions within this rank's shard (``nodes + 1`` ints; equal if
+            None), e.g. from :func:`.balanced_boundaries` over ``hierarchy.cross``.
+        codec: codes the cross-node region payloads (None: raw entries).
+        summary_size: the cross-node sparse AllReduce's histogram bins per level (None: sized by
+            the shard's k).
+
+    Returns:
+        :class:`HierarchicalResult`; the residual rule is :meth:`HierarchicalResult.residual`.
+
+    Raises:
+        ValueError: ``dense`` not float32, or mismatched sizes.
+        DecodeError: a cross-node payload did not decode (every rank raises).
+        CollectiveError: a collective failed.
+    """
     if dense.dtype != torch.float32:
         raise ValueError(f"dense must be float32, got {dense.dtype}")
     numel = dense.numel()
@@ -152,10 +207,14 @@ def hierarchical_sparse_allreduce(*, dense: torch.Tensor, k: int, hierarchy: Hie
     absolute = (inner.indices + start).view(torch.int32).reshape(-1, 2)
     entries = torch.cat([absolute, inner.values.view(torch.int32)[:, None]], dim=1).reshape(-1)
     block = torch.cat([torch.tensor([int(inner.finite)], dtype=torch.int32, device=entries.device), entries])
-    gathered, lengths = allgatherv(block, hierarchy.intra, what=WHAT, collective="intra-node allgather all_to_all_single")
+    gathered, lengths = allgatherv(block, hierarchy.intra, what=WHAT,
+                                   collective="intra-node allgather all_to_all_single")
     parts = [part.reshape(-1) for part in torch.split(gathered, lengths)]
     finite = all(bool(part[0]) for part in parts)
-    words = torch.cat([part[1:] for part in parts]).reshape(-1, 3) if finite else torch.zeros(0, 3, dtype=torch.int32, device=entries.device)
+    if finite:
+        words = torch.cat([part[1:] for part in parts]).reshape(-1, 3)
+    else:
+        words = torch.zeros(0, 3, dtype=torch.int32, device=entries.device)
     indices = words[:, :2].reshape(-1).view(torch.int64)
     values = words[:, 2].contiguous().view(torch.float32)
     sent = {"intra-node reduce-scatter": intra_bytes,

@@ -3,7 +3,8 @@
 :class:`Launched` is gradwire's answer to ``work.get_future().then(callback)``: it waits for its
 ``Work`` and runs the finishing function on the thread that asks for the result (the hook's), so
 nothing of ours runs on a backend thread, and it holds the ``Work`` for as long as it is held
-itself. Why both matter (a SIGABRT at interpreter exit otherwise): :mod:`gradwire.lifetime`.
+itself. Why both matter (a SIGABRT at interpreter exit otherwise): :mod:`gradwire.lifetime`; when
+the hook completes what it launched: docs/architecture.md, "Rules the code keeps".
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ class Launched(Generic[T]):
     ``done()`` polls; ``result(timeout)`` waits (raising ``RuntimeError`` naming the collective if it
     failed or timed out, never reading buffers it did not write), then runs ``finish`` once, on the
     calling thread, and returns its value. ``map(fn)`` composes on the calling thread too.
+
+    Args:
+        work: the ``Work`` (None: nothing to wait for); held, and tracked for exit.
+        finish: reads the buffers into the result, on the thread calling :meth:`result`.
+        collective: its name, for errors.
     """
 
     def __init__(self, work: Any, finish: Callable[[], T], collective: str) -> None:
@@ -38,9 +44,22 @@ class Launched(Generic[T]):
         return cls(None, lambda: value, collective)
 
     def done(self) -> bool:
+        """Whether the collective completed (polls; never waits)."""
         return self.work is None or bool(self.work.is_completed())
 
     def result(self, timeout: Optional[float] = None) -> T:
+        """Wait for the collective, then finish it once, on this thread.
+
+        Args:
+            timeout: seconds to wait at most (None: only the process group's own timeout).
+
+        Returns:
+            What ``finish`` returned; later calls return the same value without waiting.
+
+        Raises:
+            RuntimeError: the collective failed or outlasted ``timeout``, naming it; its buffers
+                are then never read.
+        """
         if self._finish is not None:
             if self.work is not None:
                 wait_for(self.work, timeout, self.collective, keep=False)  # we hold it

@@ -88,6 +88,7 @@ class QuantizedReduceScatterResult:
 
     @property
     def bytes_sent(self) -> int:
+        """Bytes this rank sent, all collectives together."""
         return sum(self.sent_by_collective.values())
 
 
@@ -110,6 +111,7 @@ class QuantizedAllreduceResult:
 
     @property
     def bytes_sent(self) -> int:
+        """Bytes this rank sent, all collectives together."""
         return sum(self.sent_by_collective.values())
 
 

@@ -15,17 +15,32 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from ..errors import DecodeError
+from ..sparse import is_support
 
 
 class RegionCodec(Protocol):
-    """Codes one region payload. ``indices`` are int64, ascending, relative to the region start,
-    in ``[0, numel)``; ``values`` float32. ``encode`` returns the bytes and the values the receiver
-    will decode (same length as ``values``); ``decode`` must return exactly the encoded indices
-    (lossless indices; values may be lossy) and raise only ``DecodeError`` on bad bytes."""
+    """Codes one region payload; the hook implements it with the codecs."""
 
-    def encode(self, *, indices: torch.Tensor, values: torch.Tensor, numel: int) -> tuple[bytes, torch.Tensor]: ...
+    def encode(self, *, indices: torch.Tensor, values: torch.Tensor, numel: int) -> tuple[bytes, torch.Tensor]:
+        """The payload of one region's entries.
 
-    def decode(self, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+        Args:
+            indices: (m,) int64, strictly ascending, relative to the region start, in ``[0, numel)``.
+            values: (m,) float32.
+            numel: the region's length.
+
+        Returns:
+            The bytes and the (m,) values the receiver will decode.
+        """
+        ...
+
+    def decode(self, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of one payload: exactly the encoded indices (lossless), values maybe lossy.
+
+        Raises:
+            DecodeError: on bad bytes, and nothing else.
+        """
+        ...
 
 
 def is_wide(bounds: Sequence[int]) -> bool:
@@ -62,8 +77,18 @@ def encode_region(codec: Optional[RegionCodec], relative: torch.Tensor, values: 
 
 def decode_region(codec: Optional[RegionCodec], chunk: torch.Tensor, length: int, wide: bool,
                   what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The relative indices ((m,) int64, strictly ascending in ``[0, length)``) and values ((m,)
-    float32) of one payload (a uint8 tensor).
+    """The entries of one payload.
+
+    Args:
+        codec: the adapter, or None for raw entries.
+        chunk: the payload, a uint8 tensor.
+        length: the region's length (positions).
+        wide: :func:`is_wide` of the regions.
+        what: names the payload in errors.
+
+    Returns:
+        The relative indices ((m,) int64, strictly ascending in ``[0, length)``) and values
+        ((m,) float32), on ``chunk``'s device.
 
     Raises:
         DecodeError: the bytes are not a valid payload for this region (``what`` names it).
@@ -82,7 +107,6 @@ def decode_region(codec: Optional[RegionCodec], chunk: torch.Tensor, length: int
         relative, values = codec.decode(chunk.cpu().numpy().tobytes(), length)
         relative = relative.to(device=chunk.device, dtype=torch.int64).reshape(-1)
         values = values.to(device=chunk.device, dtype=torch.float32).reshape(-1)
-    if relative.numel() != values.numel() or (relative.numel() and (
-            int(relative[0]) < 0 or int(relative[-1]) >= length or not bool((relative[1:] > relative[:-1]).all()))):
+    if relative.numel() != values.numel() or not is_support(relative, length):
         raise DecodeError(f"{what} has indices outside [0, {length}) or not strictly ascending")
     return relative, values

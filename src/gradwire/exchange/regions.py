@@ -39,11 +39,23 @@ def check_boundaries(boundaries: Sequence[int], numel: int, world_size: int) -> 
 def balanced_boundaries(indices: torch.Tensor, numel: int, group: Optional[dist.ProcessGroup] = None) -> list[int]:
     """Boundaries that split the ranks' selected positions into regions of about equal counts.
 
-    ``indices``: this rank's selected positions (int64, ascending, in ``[0, numel)``). Each rank
-    with a non-empty selection proposes the cut ``indices[j * nnz // p]`` for ``j = 1..p-1`` (its own
-    j-th p-quantile); the cuts are summed with one int64 AllReduce (exact, so every rank computes
-    the same result) and averaged over the ranks that proposed. Ranks with nothing selected do
-    not vote; if none has anything, the regions are equal. Blocking; one collective.
+    Each rank with a non-empty selection proposes the cut ``indices[j * nnz // p]`` for
+    ``j = 1..p-1`` (its own j-th p-quantile); the cuts are summed with one int64 AllReduce (exact,
+    so every rank computes the same result) and averaged over the ranks that proposed. Ranks with
+    nothing selected do not vote; if none has anything, the regions are equal. Blocking; one
+    collective.
+
+    Args:
+        indices: this rank's selected positions, (nnz,) int64, ascending, in ``[0, numel)``.
+        numel: positions in the flat space.
+        group: the process group (None: the default one).
+
+    Returns:
+        ``p + 1`` boundaries, the same on every rank.
+
+    Raises:
+        ValueError: ``indices`` is not a 1-D int64 tensor.
+        CollectiveError: the AllReduce failed.
     """
     size = group_size(group)
     if size == 1:

@@ -88,12 +88,17 @@ WHAT = "sparse_allreduce"
 class SparseAllreduceResult:
     """The reduced sparse sum (identical on every rank) and this rank's error-feedback terms.
 
-    ``indices`` (m,) int64 ascending, ``values`` (m,) float32: the sum over ranks of the surviving
-    entries (not divided by p). ``survived`` (n,) bool over this rank's input entries: those whose
-    position is in the result. ``contributed`` (n,) float32: this rank's input values as the
-    owners decoded them. ``carry_indices``/``carry_values``: see the module docstring (empty for
-    lossless values). ``finite`` is False on every rank when some reduced value was NaN/Inf (the
-    result is then empty). ``bytes_sent``: bytes this rank handed to the collectives for its peers.
+    Attributes:
+        indices: (m,) int64 ascending, the surviving positions.
+        values: (m,) float32, the sum over ranks there (not divided by p).
+        survived: (n,) bool over this rank's input entries: those whose position is in the result.
+        contributed: (n,) float32, this rank's input values as the owners decoded them.
+        carry_indices: positions of the owner's re-coding error (module docstring; empty for
+            lossless values).
+        carry_values: float32, that error.
+        threshold: the agreed magnitude threshold (NaN when not ``finite``).
+        finite: False on every rank when some reduced value was NaN/Inf (the result is then empty).
+        sent_by_collective: bytes this rank handed to each collective for its peers.
     """
 
     indices: torch.Tensor
@@ -108,11 +113,19 @@ class SparseAllreduceResult:
 
     @property
     def bytes_sent(self) -> int:
+        """Bytes this rank sent, all collectives together."""
         return sum(self.sent_by_collective.values())
 
     def residual(self, compensated: torch.Tensor, *, indices: torch.Tensor) -> torch.Tensor:
-        """This rank's new residual (flat, like ``compensated``): ``compensated`` minus its
-        contribution where it survived, plus the owner's ``carry``. ``indices``: the input indices."""
+        """This rank's new residual: ``compensated`` minus its contribution where it survived, plus the carry.
+
+        Args:
+            compensated: this rank's compensated gradient over the flat space (any shape).
+            indices: the input indices passed to :func:`sparse_allreduce`.
+
+        Returns:
+            Flat, ``compensated``'s dtype and device.
+        """
         residual = compensated.reshape(-1).clone()
         kept = self.survived
         residual[indices[kept]] -= self.contributed[kept].to(residual.dtype)

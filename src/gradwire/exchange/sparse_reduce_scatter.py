@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DecodeError
+from ..sparse import is_support
 from .checked import allreduce_sum_exact, alltoallv, group_rank, group_size
 from .region_payload import RegionCodec, decode_region, encode_region, is_wide
 from .regions import check_boundaries
@@ -54,13 +55,18 @@ class RegionStatus(enum.Enum):
 class SparseReduceScatterResult:
     """This rank's region, reduced, and what it contributed.
 
-    ``indices`` (m,) int64, strictly ascending, **relative to** ``start`` (this rank's region is
-    ``[start, start + length)``; add ``start`` for positions in the flat space). ``values`` (m,)
-    float32: the rank-order sums (NaN/Inf possible when ``status`` is NONFINITE; empty when
-    DECODE_FAILED). ``contributed`` (n,) float32: this rank's input values as their owners decode
-    them (the input itself for raw entries; for error feedback). ``status``/``error``: this rank's
-    verdict alone and the DecodeError behind DECODE_FAILED (see the module doc: agree before acting).
-    ``sent_by_collective``: bytes this rank handed to each collective for its peers.
+    Attributes:
+        indices: (m,) int64, strictly ascending, **relative to** ``start`` (add ``start`` for
+            positions in the flat space).
+        values: (m,) float32, the rank-order sums (NaN/Inf possible when ``status`` is NONFINITE;
+            empty when DECODE_FAILED).
+        start: this rank's region is ``[start, start + length)``.
+        length: its length.
+        contributed: (n,) float32, this rank's input values as their owners decode them (the
+            input itself for raw entries; for error feedback).
+        status: this rank's verdict alone (see the module docstring: agree before acting).
+        error: the DecodeError behind DECODE_FAILED.
+        sent_by_collective: bytes this rank handed to each collective for its peers.
     """
 
     indices: torch.Tensor
@@ -74,6 +80,7 @@ class SparseReduceScatterResult:
 
     @property
     def bytes_sent(self) -> int:
+        """Bytes this rank sent, all collectives together."""
         return sum(self.sent_by_collective.values())
 
 
@@ -147,6 +154,7 @@ class AgreedStatus:
 
     @property
     def ok(self) -> bool:
+        """Whether every rank's region was fine."""
         return not self.decode_failed and not self.nonfinite
 
 
@@ -172,10 +180,19 @@ def read_status_words(words: torch.Tensor, world_size: int) -> AgreedStatus:
 
 def agree_status(status: RegionStatus, group: Optional[dist.ProcessGroup] = None, *,
                  device: Optional[torch.device] = None, what: str = WHAT) -> AgreedStatus:
-    """Every rank's :class:`RegionStatus`, agreed: one exact SUM AllReduce
-    (:func:`.allreduce_sum_exact`) of :func:`status_words`, int32, ``2 ceil(p/31)`` words, about
-    ``16 ceil(p/31)`` bytes sent per rank. ``device``: where the words travel (a CUDA device for
-    NCCL; default the CPU).
+    """Every rank's :class:`RegionStatus`, agreed.
+
+    One exact SUM AllReduce (:func:`.allreduce_sum_exact`) of :func:`status_words`, int32,
+    ``2 ceil(p/31)`` words, about ``16 ceil(p/31)`` bytes sent per rank.
+
+    Args:
+        status: this rank's own.
+        group: the process group (None: the default one).
+        device: where the words travel (a CUDA device for NCCL; default the CPU).
+        what: names the caller in errors.
+
+    Returns:
+        The ranks whose decode failed and those that saw a non-finite sum, the same on every rank.
 
     Raises:
         CollectiveError: the round failed.
@@ -192,8 +209,7 @@ def check_contribution(indices: torch.Tensor, values: torch.Tensor, numel: int) 
         raise ValueError(f"indices must be a 1-D int64 tensor, got {indices.dtype} of shape {tuple(indices.shape)}")
     if values.dtype != torch.float32 or values.shape != indices.shape:
         raise ValueError(f"values must be float32 with the shape of indices, got {values.dtype} {tuple(values.shape)}")
-    if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= numel
-                            or not bool((indices[1:] > indices[:-1]).all())):
+    if not is_support(indices, numel):
         raise ValueError(f"indices must be strictly ascending in [0, numel={numel})")
 
 

@@ -100,10 +100,18 @@ def key_to_float(key: int) -> float:
 class ThresholdSearch:
     """The state every rank holds alike between levels.
 
-    ``[lo, hi)``: keys known to hold the k-th largest (``lo == hi``: decided without one, 0 keep all,
-    ``2^31`` none); ``above``: entries with keys ``>= hi``; ``survivors``: how many keys ``>= lo``
-    there are (None before level 1); ``hint_key``: the hint's key, used by level 1 only (None: no
-    hint); ``level``: levels done.
+    Attributes:
+        k: survivors wanted.
+        bins: bins per level.
+        slack: entries beyond ``k`` a level may keep and stop (:func:`count_slack`).
+        hint_key: the hint's key, used by level 1 only (None: no hint).
+        lo: with ``hi``, the keys ``[lo, hi)`` known to hold the k-th largest (``lo == hi``:
+            decided without one, 0 keep all, ``2^31`` none).
+        hi: see ``lo``.
+        above: entries with keys ``>= hi``.
+        survivors: how many keys ``>= lo`` there are (None before level 1).
+        level: levels done.
+        done: whether :attr:`threshold` is decided.
     """
 
     k: int
@@ -119,8 +127,20 @@ class ThresholdSearch:
 
     @classmethod
     def start(cls, k: int, bins: Optional[int] = None, hint: Optional[float] = None) -> "ThresholdSearch":
-        """A search for ``k`` survivors with ``bins`` per level (a power of two, 4..4096; default
-        sized by ``k``) and an optional ``hint`` (ignored unless finite and > 0)."""
+        """A search for ``k`` survivors.
+
+        Args:
+            k: survivors wanted, >= 0.
+            bins: bins per level, a power of two in 4..4096 (None: sized by ``k``,
+                :func:`histogram_bits`).
+            hint: where the threshold likely is (ignored unless finite and > 0).
+
+        Returns:
+            The state before level 1.
+
+        Raises:
+            ValueError: ``k`` or ``bins`` out of range.
+        """
         if k < 0:
             raise ValueError(f"k={k} must be >= 0")
         if bins is None:

@@ -23,7 +23,8 @@ _MNIST5K_XXH3 = "3aea6f1e3457a43d"
 def mnist5k() -> tuple[torch.Tensor, torch.Tensor]:
     """The bundled MNIST-5k: uint8 images (5000, 1, 28, 28) and int64 labels (5000,).
 
-    Raises ``OSError`` if the file is missing or damaged (a checksum guards the install).
+    Raises:
+        OSError: the file is missing or damaged (a checksum guards the install).
     """
     import xxhash
     import zstandard
@@ -49,9 +50,23 @@ def load(
     synthetic_size: int = 2048,
     num_classes: int = 10,
 ) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
-    """Return (train, test) TensorDatasets of float32 images (N, C, H, W), scaled to
-    zero mean and unit variance, and int64 labels (N,). The split is a fixed permutation of
-    ``seed``, the same on every rank.
+    """Load a data set and split it, the same way on every rank.
+
+    Args:
+        name: one of :data:`DATASETS`.
+        test_fraction: the test split's share, in (0, 1).
+        seed: seeds the split (a fixed permutation) and the synthetic data.
+        synthetic_shape: ``synthetic``'s image shape (C, H, W).
+        synthetic_size: ``synthetic``'s number of images.
+        num_classes: ``synthetic``'s number of classes.
+
+    Returns:
+        (train, test) TensorDatasets of float32 images (N, C, H, W), scaled to zero mean and unit
+        variance, and int64 labels (N,).
+
+    Raises:
+        ValueError: an unknown name or a bad ``test_fraction``.
+        OSError: the bundled MNIST-5k is damaged.
     """
     check_choice("data", name, DATASETS)
     if not 0.0 < test_fraction < 1.0:
@@ -84,8 +99,18 @@ def python_source_words(vocab_size: int = 10_000, max_bytes: int = 4_000_000) ->
     Reads the standard library's top-level ``*.py`` files in name order until ``max_bytes``,
     splits them into words and single punctuation characters, keeps the ``vocab_size - 1`` most
     frequent (ties by first appearance) and maps the rest to id ``vocab_size - 1`` (unknown).
-    Returns (token ids int64 (N,), vocab_size). The text depends on the Python version, so the
-    stream does too; within one installation it is fixed.
+    The text depends on the Python version, so the stream does too; within one installation it
+    is fixed.
+
+    Args:
+        vocab_size: ids, >= 2 (the last one: unknown).
+        max_bytes: characters read at least (whole files), unless the files run out.
+
+    Returns:
+        (token ids int64 (N,), vocab_size).
+
+    Raises:
+        ValueError: ``vocab_size`` below 2.
     """
     import collections
     import pathlib

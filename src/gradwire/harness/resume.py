@@ -58,7 +58,19 @@ def latest_step(folder: str) -> int:
 
 def save(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          hook_state: Any) -> None:
-    """Collective: every rank writes its file for ``step``, then rank 0 marks it complete."""
+    """Collective: every rank writes its file for ``step``, then rank 0 marks it complete.
+
+    Each file is written under a temporary name and renamed, and the step counts only once rank 0
+    marked it complete after a barrier, so a job killed while saving leaves the previous step as
+    the latest; rank 0 then keeps only the last ``KEEP`` complete steps.
+
+    Args:
+        folder: the method's checkpoint folder (shared, or node-local while ranks keep their node).
+        step: the step just finished.
+        model: this rank's model.
+        optimizer: its optimizer.
+        hook_state: the gradwire hook state (None: a method without the hook).
+    """
     rank = dist.get_rank()
     target = _step_folder(folder, step)
     os.makedirs(target, exist_ok=True)
@@ -78,7 +90,21 @@ def save(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.opt
 
 def load(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hook_state: Any,
          device: torch.device) -> None:
-    """Restore this rank's file of ``step`` into model, optimizer, RNG and hook state."""
+    """Restore this rank's file of ``step`` into model, optimizer, RNG and hook state.
+
+    Args:
+        folder: the checkpoint folder.
+        step: a complete step (:func:`latest_step`).
+        model: this rank's model, as built for the run.
+        optimizer: its optimizer.
+        hook_state: the gradwire hook state (None: a method without the hook).
+        device: the gradients' device, for the hook state.
+
+    Raises:
+        FileNotFoundError: the step has no file for this rank.
+        ValueError: the file was written by a job of another world size, or holds no hook state
+            where this method needs one.
+    """
     rank = dist.get_rank()
     path = os.path.join(_step_folder(folder, step), f"rank{rank}.pt")
     if not os.path.exists(path):
@@ -97,8 +123,13 @@ def load(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.opt
 
 
 def trim_metrics(path: str, step: int) -> list[dict[str, Any]]:
-    """Keep only the records of steps before ``step`` in a metrics JSONL file (steps after the
-    checkpoint ran before the failure and run again now); returns them."""
+    """Keep only the records of steps before ``step`` in a metrics JSONL file, rewriting it.
+
+    Steps from ``step`` on ran before the failure and run again now.
+
+    Returns:
+        The records kept (none when the file does not exist).
+    """
     import json
 
     if not os.path.exists(path):
@@ -130,6 +161,7 @@ def init_process_group(backend: str, timeout: Optional["datetime.timedelta"] = N
 
 
 def check_options(checkpoint_dir: Optional[str], checkpoint_every: int) -> None:
+    """``ValueError`` unless ``checkpoint_every >= 0``, and a folder is given when it is not 0."""
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 0")
     if checkpoint_every and not checkpoint_dir:

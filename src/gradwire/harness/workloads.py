@@ -35,16 +35,25 @@ PYSTDLIB_OPTIONS = ("max_bytes", "held_out_bytes", "held_out_every")
 
 @dataclass
 class Workload:
+    """A model, its data and how to score it: what one training run needs.
+
+    Attributes:
+        model: the freshly built model (seeded: the same weights on every rank).
+        train: the training split, ``(inputs, targets)`` items.
+        test: the test split.
+        loss: ``(outputs, targets) -> 0-dim`` mean cross-entropy.
+        accuracy: fraction of correct predictions of a batch, ``(outputs, targets) -> float``.
+        metric: the headline evaluation: "accuracy" (classifiers) or "loss" (language models:
+            held-out mean cross-entropy, nats per predicted token — per byte for byte-level data).
+        info: what the data is, for result files (e.g. pystdlib's fingerprint); JSON-ready.
+    """
+
     model: torch.nn.Module
     train: torch.utils.data.Dataset
     test: torch.utils.data.Dataset
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    #: fraction of correct predictions of a batch (outputs, targets) -> float
     accuracy: Callable[[torch.Tensor, torch.Tensor], float]
-    #: the headline evaluation: "accuracy" (classifiers) or "loss" (language models: held-out
-    #: mean cross-entropy, nats per predicted token — per byte for byte-level data)
     metric: str = "accuracy"
-    #: what the data is, for result files (e.g. pystdlib's fingerprint); JSON-ready
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,15 +98,27 @@ class ByteWindows(torch.utils.data.Dataset):
         self.targets = tokens[1: count * seq_len + 1].view(count, seq_len)
 
     def __len__(self) -> int:
+        """Windows in the stream."""
         return self.inputs.shape[0]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window ``index``: (inputs, targets), int64 (seq_len,) each."""
         return self.inputs[index].long(), self.targets[index].long()
 
 
 def parse_data(data: Optional[str]) -> tuple[Optional[str], dict[str, int]]:
-    """``"pystdlib:max_bytes=1000000,held_out_bytes=65536"`` -> ("pystdlib", {...}); other names
-    take no options. ``ValueError`` names a bad option and lists the allowed ones."""
+    """Split a data spec into its name and options.
+
+    Args:
+        data: ``"pystdlib:max_bytes=1000000,held_out_bytes=65536"``, a plain name (other names
+            take no options), or None.
+
+    Returns:
+        ``(name, {option: int})``, ``(None, {})`` for None.
+
+    Raises:
+        ValueError: a bad option (listing the allowed ones), or options for another name.
+    """
     if data is None:
         return None, {}
     name, _, rest = data.partition(":")
@@ -211,7 +232,8 @@ def evaluate(model: torch.nn.Module, workload: Workload, device: torch.device | 
     """Accuracy and mean loss per prediction over the whole test split, in its order.
 
     Args:
-        model: the trained model (or its DDP wrapper); put in eval mode for the pass, then back.
+        model: the trained model (or its DDP wrapper); put in eval mode for the pass, and in train
+            mode after it.
         workload: supplies the test split, the loss and the accuracy.
         device: where the batches go.
         batch_size: examples per forward pass (the result does not depend on it beyond rounding).

@@ -40,13 +40,22 @@ def find_ddp(module: Any) -> Optional[DistributedDataParallel]:
 
 
 def register(ddp: DistributedDataParallel, options: dict[str, Any]) -> CommHookState:
-    """A new hook state for ``ddp`` (knowing its parameter names), registered on it."""
+    """A new hook state for ``ddp`` (knowing its parameter names), registered on it.
+
+    Args:
+        ddp: the wrapper; it accepts one comm hook.
+        options: :class:`CommHookState`'s keyword options.
+
+    Returns:
+        The registered state.
+    """
     state = CommHookState(model=ddp, process_group=ddp.process_group, **options)
     ddp.register_comm_hook(state, comm_hook)
     return state
 
 
 def rank() -> int:
+    """This process's rank in the default group; 0 without an initialized process group."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -176,5 +185,7 @@ def warn_if_idle(state: Optional[CommHookState], where: str) -> None:
 
 
 def parameters_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s first parameter lives (the CPU for a module without any): the
+    gradients' device, which a restored hook state moves to."""
     parameter = next(module.parameters(), None)
     return parameter.device if parameter is not None else torch.device("cpu")

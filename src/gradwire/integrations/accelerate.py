@@ -1,8 +1,9 @@
 """Hugging Face accelerate: put gradwire's hook on the model ``prepare()`` returned, and keep
 every rank's own hook state in ``save_state``/``load_state`` folders.
 
->>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)      # doctest: +SKIP
->>> state = gradwire.integrations.accelerate.register(accelerator, model, compressor="topk", density=0.01)  # doctest: +SKIP
+>>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
+>>> state = gradwire.integrations.accelerate.register(  # doctest: +SKIP
+...     accelerator, model, compressor="topk", density=0.01)
 
 accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` knows only PyTorch's built-in
 hooks, and ``register_for_checkpointing`` writes rank 0's object only (every rank would get rank

@@ -53,6 +53,7 @@ class GradwireCallback(TrainerCallback):
         return callback
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Register the hook on the Trainer's DDP wrapper; on a resumed run, restore this rank's state."""
         ddp = find_ddp(self.trainer.model_wrapped)
         if ddp is None:
             self.hook_state = None
@@ -65,9 +66,12 @@ class GradwireCallback(TrainerCallback):
             load_rank_state(self.hook_state, folder, device=parameters_device(ddp))
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write this rank's hook state into ``checkpoint-<global step>``."""
         # runs on every rank, after the Trainer wrote checkpoint-N
         if self.hook_state is not None:
-            save_rank_state(self.hook_state, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            save_rank_state(self.hook_state, folder)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Warn (:class:`HookNeverRanWarning`) if the hook compressed nothing."""
         warn_if_idle(self.hook_state, "transformers Trainer")

@@ -24,12 +24,19 @@ CHECKPOINT_KEY = "gradwire_hook"
 
 
 class GradwireDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` with gradwire's hook. ``hook_options`` are :class:`CommHookState`'s
-    keyword options; every other argument is ``DDPStrategy``'s (``ddp_comm_hook`` is refused:
-    the strategy registers its own).
+    """``DDPStrategy`` with gradwire's hook, registered whatever the device.
 
-    ``hook_state`` is the current :class:`CommHookState` (a new one per ``fit``, since every
-    fit builds a new DDP wrapper; it is None before the first).
+    Args:
+        hook_options: :class:`CommHookState`'s keyword options.
+        **kwargs: ``DDPStrategy``'s arguments (``ddp_comm_hook`` is refused: the strategy
+            registers its own).
+
+    Attributes:
+        hook_state: the current :class:`CommHookState` (a new one per ``fit``, since every fit
+            builds a new DDP wrapper; None before the first).
+
+    Raises:
+        ValueError: a bad hook option (before any process starts) or a ``ddp_comm_hook``.
     """
 
     strategy_name = "gradwire_ddp"
@@ -45,6 +52,7 @@ class GradwireDDPStrategy(DDPStrategy):
         self._fitting = False
 
     def configure_ddp(self) -> None:  # Lightning calls it when fitting, once per fit
+        """Build the DDP wrapper, register the hook on it, and hand it a restored state if any."""
         super().configure_ddp()
         self._fitting = True
         ddp = find_ddp(self.model)
@@ -56,18 +64,21 @@ class GradwireDDPStrategy(DDPStrategy):
             self._restored = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Add every rank's hook state to ``checkpoint`` under ``"gradwire_hook"``, then save it."""
         # runs on every rank (Lightning writes the file from rank 0): the gather is a collective
         if self.hook_state is not None:
             checkpoint[CHECKPOINT_KEY] = self.hook_state.state_dict(gather=True)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load ``checkpoint_path``, keeping its hook state aside for :meth:`configure_ddp`."""
         # runs on every rank before the DDP wrapper exists: keep the hook state for configure_ddp
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._restored = checkpoint.pop(CHECKPOINT_KEY, None)
         return checkpoint
 
     def teardown(self) -> None:
+        """After a fit, warn (:class:`HookNeverRanWarning`) if the hook compressed nothing."""
         if self._fitting:
             self._fitting = False
             warn_if_idle(self.hook_state, "Lightning fit")

@@ -7,11 +7,12 @@ low-rank pairs and keep training the smaller model (Wang, Agarwal, Papailiopoulo
 from __future__ import annotations
 
 from .factorize import LayerDecision, check_options, factorize, find_candidates
-from .layers import LowRankConv1D, LowRankConv2d, LowRankLinear, LowRankLSTM, LowRankMultiheadAttention, rank_for, svd_factors
+from .layers import (LowRankConv1D, LowRankConv2d, LowRankLinear, LowRankLSTM, LowRankMultiheadAttention, rank_for,
+                     svd_factors)
 from .report import Summary, summarize
 from .warmup import Warmup
 
 __all__ = [
-    "LayerDecision", "LowRankConv1D", "LowRankConv2d", "LowRankLSTM", "LowRankLinear", "LowRankMultiheadAttention", "Summary",
-    "Warmup", "check_options", "factorize", "find_candidates", "rank_for", "summarize", "svd_factors",
+    "LayerDecision", "LowRankConv1D", "LowRankConv2d", "LowRankLSTM", "LowRankLinear", "LowRankMultiheadAttention",
+    "Summary", "Warmup", "check_options", "factorize", "find_candidates", "rank_for", "summarize", "svd_factors",
 ]

@@ -60,11 +60,17 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 class LayerDecision:
     """What :func:`factorize` did with one candidate layer.
 
-    ``shape`` is the shape of the dense layer's first weight (conv: (c_out, c_in, k, k);
-    Linear: (out, in); LSTM: weight_ih_l0 (4*hidden, in); attention: in_proj_weight (3E, E)).
-    ``ranks`` is empty for kept layers, else the replacement's ``ranks`` (conv/linear: (r,);
-    LSTM: input-hidden rank per layer then the hidden-hidden rank; attention: q, k, v, out).
-    ``reason`` says why a layer was kept ("factorized" otherwise).
+    Attributes:
+        name: the layer's qualified name ("" for the model itself).
+        kind: its class name, e.g. ``"Conv2d"``.
+        shape: the shape of the dense layer's first weight (conv: (c_out, c_in, k, k); Linear:
+            (out, in); LSTM: weight_ih_l0 (4*hidden, in); attention: in_proj_weight (3E, E)).
+        factorized: whether it was replaced.
+        ranks: empty for kept layers, else the replacement's ``ranks`` (conv/linear: (r,); LSTM:
+            input-hidden rank per layer then the hidden-hidden rank; attention: q, k, v, out).
+        params_before: the dense layer's parameters.
+        params_after: the replacement's parameters (``params_before`` for a kept layer).
+        reason: why a layer was kept ("factorized" otherwise).
     """
 
     name: str
@@ -103,8 +109,13 @@ def factorize(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[s
         require_savings: keep a layer whose factorization would not have fewer parameters.
             Set False to factorize anyway (at ``rank_ratio=1`` the output is then unchanged).
 
-    Raises ``ValueError`` for a bad ``rank_ratio``/``min_params``, an unknown exact name in
-    ``keep_full``, or a model in which no layer ends up factorized.
+    Returns:
+        The factorized model (``model`` itself when ``inplace``), on the same devices and in
+        the same dtypes, with ``lowrank_decisions``: one :class:`LayerDecision` per candidate.
+
+    Raises:
+        ValueError: a bad ``rank_ratio``/``min_params``, a DDP-wrapped model, an unknown exact
+            name in ``keep_full``, or a model in which no layer ends up factorized.
 
     Example:
         >>> import torch
@@ -134,7 +145,8 @@ def factorize(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[s
                 reason = f"no parameter savings at rank {_ranks_text(replacement.ranks)}"
                 replacement = None
         if replacement is None:
-            decisions.append(LayerDecision(name, type(module).__name__, _shape(module), False, (), params, params, reason))
+            decisions.append(LayerDecision(name, type(module).__name__, _shape(module), False, (), params, params,
+                                           reason))
             continue
         decisions.append(LayerDecision(name, type(module).__name__, _shape(module), True, replacement.ranks,
                                        params, _count(replacement), "factorized"))
@@ -151,8 +163,15 @@ def factorize(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[s
 
 def check_options(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterable[str] | str | None" = None,
                   min_params: int = 0) -> None:
-    """Raise the ``ValueError`` :func:`factorize` would raise for these options, cheaply (no
-    SVD): bad ``rank_ratio``/``min_params``, a wrapped or candidate-less model, unknown names."""
+    """Raise the ``ValueError`` :func:`factorize` would raise for these options, cheaply (no SVD).
+
+    Takes :func:`factorize`'s first four arguments.
+
+    Raises:
+        ValueError: a bad ``rank_ratio``/``min_params``, a wrapped or candidate-less model, or
+            an unknown name in ``keep_full`` (not: a model in which no layer would end up
+            factorized, which needs the sizes at rank).
+    """
     check_rank_ratio(rank_ratio)
     if not is_integer(min_params) or min_params < 0:
         raise ValueError(f"min_params={min_params!r} must be an integer >= 0")
@@ -166,10 +185,13 @@ def check_options(model: nn.Module, rank_ratio: float = 0.25, keep_full: "Iterab
 
 
 def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every layer :func:`factorize` can replace, in module order.
+    """Every layer :func:`factorize` can replace, in module order.
 
     Attention and already factorized modules are taken whole: their inner Linears (e.g. the
     attention's ``out_proj``) are not candidates of their own.
+
+    Returns:
+        ``(qualified name, module)`` pairs.
     """
     candidates: list[tuple[str, nn.Module]] = []
     inside: str | None = None  # named_modules is depth-first: a module's descendants follow it

@@ -30,11 +30,18 @@ def rank_for(full_rank: int, rank_ratio: float) -> int:
 
 
 def svd_factors(weight: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """Split ``weight`` (..., out, in) into ``first`` (..., rank, in) and ``second`` (..., out, rank).
+    """Split ``weight`` into the two factors of its best rank-``rank`` approximation.
 
-    ``second @ first`` is the optimal rank-``rank`` approximation of each matrix in the batch.
-    Computed on ``weight``'s device in float32 (float64 stays float64; LAPACK has no half
-    precision), returned in ``weight``'s dtype.
+    ``second @ first`` is the optimal rank-``rank`` approximation of each matrix in the batch
+    (the module docstring's split of ``sqrt(S)``). Computed on ``weight``'s device in float32
+    (float64 stays float64; LAPACK has no half precision).
+
+    Args:
+        weight: (..., out, in), a batch of matrices; not modified.
+        rank: ``1 <= rank <= min(out, in)``.
+
+    Returns:
+        ``first`` (..., rank, in) and ``second`` (..., out, rank), in ``weight``'s dtype.
     """
     matrix = weight.detach()
     work = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.float()
@@ -73,7 +80,16 @@ class LowRankLinear(nn.Module):
     """``x (..., in_features) -> (..., out_features)`` through rank ``rank``.
 
     ``first = Linear(in_features, rank, bias=False)``, ``second = Linear(rank, out_features,
-    bias)``; the original bias lives on ``second``.
+    bias)``; the original bias lives on ``second``. ``rank * (in + out)`` weights instead of
+    ``in * out``.
+
+    Args:
+        in_features: as ``nn.Linear``'s.
+        out_features: as ``nn.Linear``'s.
+        rank: the inner dimension.
+        bias: whether ``second`` has a bias.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
@@ -97,11 +113,21 @@ class LowRankLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, rank_ratio: float) -> "LowRankLinear":
+        """The SVD-initialised pair for ``linear``, at rank ``rank_for(min(out, in), rank_ratio)``.
+
+        Args:
+            linear: the dense layer; not modified.
+            rank_ratio: rank over full rank, in (0, 1].
+
+        Returns:
+            A pair on ``linear``'s device and in its dtype, ``requires_grad`` as its weight's.
+        """
         rank = rank_for(min(linear.out_features, linear.in_features), rank_ratio)
         return cls.from_weight(linear.weight, linear.bias, rank)
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """``(rank,)``."""
         return (self.rank,)
 
     def weight_product(self) -> Tensor:
@@ -109,6 +135,7 @@ class LowRankLinear(nn.Module):
         return self.second.weight @ self.first.weight
 
     def forward(self, x: Tensor) -> Tensor:
+        """``second(first(x))``: (..., in_features) -> (..., out_features)."""
         return self.second(self.first(x))
 
 
@@ -119,26 +146,44 @@ class LowRankConv1D(LowRankLinear):
 
     @property
     def nx(self) -> int:
+        """Input features, as ``Conv1D`` names them."""
         return self.in_features
 
     @property
     def nf(self) -> int:
+        """Output features, as ``Conv1D`` names them."""
         return self.out_features
 
     @classmethod
     def from_dense(cls, conv1d: nn.Module, rank_ratio: float) -> "LowRankConv1D":
+        """The SVD-initialised pair for a Hugging Face ``Conv1D`` (weight (nx, nf)); see
+        :meth:`LowRankLinear.from_dense`."""
         nx, nf = conv1d.weight.shape
         return cls.from_weight(conv1d.weight.t(), conv1d.bias, rank_for(min(nx, nf), rank_ratio))
 
 
 class LowRankConv2d(nn.Module):
-    """``(N, C_in, H, W) -> (N, C_out, H', W')``: a k x k conv to ``rank`` channels (same
-    stride, padding, dilation, padding mode; no bias), then a 1x1 conv to ``C_out`` with the
-    original bias. ``extra_bn=True`` puts a ``BatchNorm2d(rank)`` between the two.
+    """``(N, C_in, H, W) -> (N, C_out, H', W')``: a k x k conv to ``rank`` channels, then a 1x1 conv.
 
-    The dense layer's attributes stay readable (``stride``, ``padding``, ``dilation``,
-    ``kernel_size``, ``padding_mode``, ``groups``, ``in_channels``, ``out_channels``): code written
-    for ``nn.Conv2d`` (e.g. Hugging Face's MobileNetV2 "same" padding) reads them.
+    The first conv keeps the dense layer's stride, padding, dilation and padding mode (no bias);
+    the 1x1 conv to ``C_out`` carries the original bias. The dense layer's attributes stay
+    readable (``stride``, ``padding``, ``dilation``, ``kernel_size``, ``padding_mode``,
+    ``groups``, ``in_channels``, ``out_channels``): code written for ``nn.Conv2d`` (e.g. Hugging
+    Face's MobileNetV2 "same" padding) reads them.
+
+    Args:
+        in_channels: ``C_in``.
+        out_channels: ``C_out``.
+        kernel_size: ``(kh, kw)`` of the first conv.
+        rank: channels between the two convs.
+        stride: as ``nn.Conv2d``'s.
+        padding: as ``nn.Conv2d``'s.
+        dilation: as ``nn.Conv2d``'s.
+        bias: whether the 1x1 conv has a bias.
+        padding_mode: as ``nn.Conv2d``'s.
+        extra_bn: put a ``BatchNorm2d(rank)`` (``mid_bn``) between the two (Pufferfish's option).
+        device: where the parameters live.
+        dtype: the parameters' dtype.
     """
 
     groups = 1
@@ -158,6 +203,19 @@ class LowRankConv2d(nn.Module):
 
     @classmethod
     def from_dense(cls, conv: nn.Conv2d, rank_ratio: float, extra_bn: bool = False) -> "LowRankConv2d":
+        """The SVD-initialised pair for ``conv``, its kernel read as (C_out, C_in*kh*kw).
+
+        Args:
+            conv: the dense layer (``groups=1``); not modified.
+            rank_ratio: rank over full rank ``min(C_out, C_in*kh*kw)``, in (0, 1].
+            extra_bn: add ``mid_bn`` (freshly initialised: the pair then no longer equals ``conv``).
+
+        Returns:
+            A pair on ``conv``'s device and in its dtype.
+
+        Raises:
+            ValueError: a grouped convolution.
+        """
         if conv.groups != 1:
             raise ValueError(f"only groups=1 convolutions can be factorized, got groups={conv.groups}")
         c_out, c_in, kh, kw = conv.weight.shape
@@ -174,26 +232,32 @@ class LowRankConv2d(nn.Module):
 
     @property
     def stride(self) -> tuple[int, ...]:
+        """The dense layer's stride (the first conv's)."""
         return self.first.stride
 
     @property
     def padding(self) -> "tuple[int, ...] | str":
+        """The dense layer's padding (the first conv's)."""
         return self.first.padding
 
     @property
     def dilation(self) -> tuple[int, ...]:
+        """The dense layer's dilation (the first conv's)."""
         return self.first.dilation
 
     @property
     def kernel_size(self) -> tuple[int, ...]:
+        """The dense layer's kernel size (the first conv's)."""
         return self.first.kernel_size
 
     @property
     def padding_mode(self) -> str:
+        """The dense layer's padding mode (the first conv's)."""
         return self.first.padding_mode
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """``(rank,)``."""
         return (self.rank,)
 
     def weight_product(self) -> Tensor:
@@ -202,6 +266,7 @@ class LowRankConv2d(nn.Module):
         return (self.second.weight.flatten(1) @ first.flatten(1)).reshape(self.out_channels, *first.shape[1:])
 
     def forward(self, x: Tensor) -> Tensor:
+        """(N, C_in, H, W) -> (N, C_out, H', W'), as the dense conv."""
         x = self.first(x)
         if self.mid_bn is not None:
             x = self.mid_bn(x)
@@ -221,6 +286,22 @@ class LowRankLSTM(nn.Module):
     ``weight_ih_l{k}_first`` (4*r_ih, in), ``weight_ih_l{k}_second`` (4, hidden, r_ih), the same
     for ``hh`` with r_hh, and ``bias_ih_l{k}`` / ``bias_hh_l{k}`` (4*hidden,). The four gates'
     first factors are stacked so that one matmul serves all gates.
+
+    Args:
+        input_size: as ``nn.LSTM``'s.
+        hidden_size: as ``nn.LSTM``'s.
+        num_layers: as ``nn.LSTM``'s.
+        ranks_ih: the input-hidden rank of each layer (``num_layers`` ints).
+        rank_hh: the hidden-hidden rank, every layer.
+        bias: as ``nn.LSTM``'s.
+        batch_first: as ``nn.LSTM``'s.
+        dropout: as ``nn.LSTM``'s.
+        bidirectional: as ``nn.LSTM``'s.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
+
+    Raises:
+        ValueError: ``ranks_ih`` does not have one rank per layer.
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int, ranks_ih: "list[int]", rank_hh: int, *,
@@ -243,8 +324,10 @@ class LowRankLSTM(nn.Module):
                 r = ranks_ih[layer]
                 self.register_parameter(f"weight_ih_{name}_first", nn.Parameter(torch.empty(4 * r, layer_input, **kw)))
                 self.register_parameter(f"weight_ih_{name}_second", nn.Parameter(torch.empty(4, hidden_size, r, **kw)))
-                self.register_parameter(f"weight_hh_{name}_first", nn.Parameter(torch.empty(4 * rank_hh, hidden_size, **kw)))
-                self.register_parameter(f"weight_hh_{name}_second", nn.Parameter(torch.empty(4, hidden_size, rank_hh, **kw)))
+                self.register_parameter(f"weight_hh_{name}_first",
+                                        nn.Parameter(torch.empty(4 * rank_hh, hidden_size, **kw)))
+                self.register_parameter(f"weight_hh_{name}_second",
+                                        nn.Parameter(torch.empty(4, hidden_size, rank_hh, **kw)))
                 if bias:
                     self.register_parameter(f"bias_ih_{name}", nn.Parameter(torch.zeros(4 * hidden_size, **kw)))
                     self.register_parameter(f"bias_hh_{name}", nn.Parameter(torch.zeros(4 * hidden_size, **kw)))
@@ -259,6 +342,19 @@ class LowRankLSTM(nn.Module):
 
     @classmethod
     def from_dense(cls, lstm: nn.LSTM, rank_ratio: float) -> "LowRankLSTM":
+        """The SVD-initialised LSTM for ``lstm``, each gate's matrix factorized on its own.
+
+        Args:
+            lstm: the dense LSTM (``proj_size=0``); not modified.
+            rank_ratio: rank over full rank (``min(hidden, layer input)``, ``hidden`` for hh), in
+                (0, 1].
+
+        Returns:
+            A module on ``lstm``'s device and in its dtype.
+
+        Raises:
+            ValueError: ``proj_size > 0``.
+        """
         if lstm.proj_size:
             raise ValueError("LSTMs with proj_size > 0 cannot be factorized")
         hidden, directions = lstm.hidden_size, 2 if lstm.bidirectional else 1
@@ -276,7 +372,8 @@ class LowRankLSTM(nn.Module):
                     dense = getattr(lstm, f"weight_{kind}_{name}")
                     # (4*hidden, in) -> one (hidden, in) matrix per gate, factorized as a batch.
                     first, second = svd_factors(dense.reshape(4, hidden, -1), rank)
-                    _copy_(getattr(module, f"weight_{kind}_{name}_first"), first.reshape(4 * rank, -1), dense.requires_grad)
+                    _copy_(getattr(module, f"weight_{kind}_{name}_first"), first.reshape(4 * rank, -1),
+                           dense.requires_grad)
                     _copy_(getattr(module, f"weight_{kind}_{name}_second"), second, dense.requires_grad)
                     if lstm.bias:
                         dense_bias = getattr(lstm, f"bias_{kind}_{name}")
@@ -295,6 +392,11 @@ class LowRankLSTM(nn.Module):
         return (second @ first.unflatten(0, (4, -1))).reshape(4 * self.hidden_size, -1)
 
     def forward(self, input: Tensor, hx: "tuple[Tensor, Tensor] | None" = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """As ``nn.LSTM.forward`` (shapes in the class docstring).
+
+        Raises:
+            TypeError: a ``PackedSequence`` input (pad the batch instead).
+        """
         if isinstance(input, nn.utils.rnn.PackedSequence):
             raise TypeError("LowRankLSTM does not take PackedSequence inputs; pad the batch instead")
         batched = input.dim() == 3
@@ -373,6 +475,21 @@ class LowRankMultiheadAttention(nn.Module):
     first when ``batch_first``, or unbatched (L, E); returns the output (like query) and the
     attention weights (N, L, S), or (N, heads, L, S) with ``average_attn_weights=False``, or
     None when ``need_weights=False``.
+
+    Args:
+        embed_dim: ``E``, divisible by ``num_heads``.
+        num_heads: as ``nn.MultiheadAttention``'s.
+        ranks: ranks of the q, k, v and output projections.
+        dropout: on the attention weights, as ``nn.MultiheadAttention``'s.
+        bias: whether the projections have biases.
+        kdim: key features (default ``E``).
+        vdim: value features (default ``E``).
+        batch_first: as ``nn.MultiheadAttention``'s.
+        device: where the parameters live.
+        dtype: the parameters' dtype.
+
+    Raises:
+        ValueError: ``embed_dim`` not divisible by ``num_heads``.
     """
 
     # PyTorch's fused encoder paths probe these; None/False send them down the regular path,
@@ -398,6 +515,18 @@ class LowRankMultiheadAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, attention: nn.MultiheadAttention, rank_ratio: float) -> "LowRankMultiheadAttention":
+        """The SVD-initialised attention for ``attention``, each projection factorized on its own.
+
+        Args:
+            attention: the dense module; not modified.
+            rank_ratio: rank over each projection's full rank, in (0, 1].
+
+        Returns:
+            A module on ``attention``'s device and in its dtype.
+
+        Raises:
+            ValueError: ``bias_k``/``bias_v`` or ``add_zero_attn``.
+        """
         if attention.bias_k is not None or attention.add_zero_attn:
             raise ValueError("MultiheadAttention with bias_k/bias_v or add_zero_attn cannot be factorized")
         embed = attention.embed_dim
@@ -426,6 +555,11 @@ class LowRankMultiheadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """As ``nn.MultiheadAttention.forward`` (shapes in the class docstring).
+
+        ``attn_mask`` (boolean: True may not attend; float: added) takes precedence over
+        ``is_causal``, which builds a causal mask only when no ``attn_mask`` is given.
+        """
         batched = query.dim() == 3
         if not batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -447,7 +581,8 @@ class LowRankMultiheadAttention(nn.Module):
             if mask.dim() == 3:
                 mask = mask.view(batch, heads, target_len, source_len)
         elif is_causal:
-            mask = _additive_mask(torch.ones(target_len, source_len, dtype=torch.bool, device=q.device).triu(1), q.dtype)
+            causal = torch.ones(target_len, source_len, dtype=torch.bool, device=q.device).triu(1)
+            mask = _additive_mask(causal, q.dtype)
         if key_padding_mask is not None:
             padding = _additive_mask(key_padding_mask, q.dtype).view(batch, 1, 1, source_len)
             mask = padding if mask is None else mask + padding
@@ -471,4 +606,5 @@ class LowRankMultiheadAttention(nn.Module):
         return output, weights
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, ranks={self.ranks}, batch_first={self.batch_first}"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, ranks={self.ranks}, "
+                f"batch_first={self.batch_first}")

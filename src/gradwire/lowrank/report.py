@@ -25,8 +25,13 @@ from .layers import LowRankLSTM, LowRankMultiheadAttention
 
 @dataclass(frozen=True)
 class LayerRow:
-    """One candidate layer: its :class:`LayerDecision` plus MACs (multiply-adds, per forward
-    pass of the example input) before and after."""
+    """One candidate layer of a :class:`Summary`.
+
+    Attributes:
+        decision: what :func:`~gradwire.lowrank.factorize` did with it.
+        macs_before: multiply-adds of the dense layer per forward pass of the example input.
+        macs_after: the same for its replacement (or the kept layer).
+    """
 
     decision: LayerDecision
     macs_before: int
@@ -35,8 +40,15 @@ class LayerRow:
 
 @dataclass(frozen=True)
 class Summary:
-    """Rows for every candidate layer, and whole-model parameter counts (all parameters,
-    including normalization layers and embeddings; shared ones counted once)."""
+    """Rows for every candidate layer, and whole-model parameter counts.
+
+    Attributes:
+        rows: one per candidate layer, in module order.
+        model_params_before: all parameters of the full-rank model (normalization layers and
+            embeddings included; shared ones counted once).
+        model_params_after: the same for the factorized model.
+        input_shape: the example input's shape the MACs were counted for.
+    """
 
     rows: tuple[LayerRow, ...]
     model_params_before: int
@@ -45,13 +57,16 @@ class Summary:
 
     @property
     def macs_before(self) -> int:
+        """Multiply-adds of the candidate layers, full-rank."""
         return sum(row.macs_before for row in self.rows)
 
     @property
     def macs_after(self) -> int:
+        """Multiply-adds of the candidate layers, factorized."""
         return sum(row.macs_after for row in self.rows)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-serializable: every row's decision and MACs, and the totals."""
         layers = [{**asdict(row.decision), "macs_before": row.macs_before, "macs_after": row.macs_after}
                   for row in self.rows]
         return {"input_shape": list(self.input_shape), "layers": layers,
@@ -79,9 +94,22 @@ class Summary:
 
 def summarize(model: nn.Module, example_input: Tensor, factorized: nn.Module | None = None,
               **factorize_kwargs: Any) -> Summary:
-    """Report on ``factorized`` (by default ``factorize(model, **factorize_kwargs)``, a copy)
-    against the full-rank ``model``, counting MACs for ``example_input`` (one batch, e.g.
-    ``model.example_input(1)`` of a shipped model; on the models' device)."""
+    """Report on a factorized model against the full-rank ``model``.
+
+    Args:
+        model: the full-rank model; not modified.
+        example_input: one batch to count MACs for (e.g. ``model.example_input(1)`` of a shipped
+            model), on the models' device.
+        factorized: the factorized model (default: ``factorize(model, **factorize_kwargs)``, a
+            copy).
+        **factorize_kwargs: options of :func:`~gradwire.lowrank.factorize`, when it runs here.
+
+    Returns:
+        The :class:`Summary`.
+
+    Raises:
+        ValueError: ``factorized`` carries no ``lowrank_decisions``, or what ``factorize`` raises.
+    """
     if factorized is None:
         factorized = factorize(model, inplace=False, **factorize_kwargs)
     decisions: tuple[LayerDecision, ...] = getattr(factorized, "lowrank_decisions", ())
@@ -94,8 +122,17 @@ def summarize(model: nn.Module, example_input: Tensor, factorized: nn.Module | N
 
 
 def count_macs(model: nn.Module, example_input: Tensor, layer_names: Sequence[str]) -> dict[str, int]:
-    """MACs of one forward pass of ``example_input``, summed per name in ``layer_names`` (a
-    weight layer counts towards the longest listed name that is it or contains it)."""
+    """MACs of one forward pass of ``example_input``, summed per name in ``layer_names``.
+
+    Args:
+        model: the model to run (in eval mode, under ``torch.no_grad``; its mode is restored).
+        example_input: one batch.
+        layer_names: qualified names; a weight layer counts towards the longest listed name
+            that is it or contains it.
+
+    Returns:
+        MACs by listed name (names with none are absent).
+    """
     totals: dict[str, int] = {}
     handles = []
 

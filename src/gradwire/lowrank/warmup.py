@@ -24,16 +24,32 @@ class Warmup:
     * the model (``ddp.module`` if wrapped) is factorized with ``rank_ratio``, ``keep_full``,
       ``min_params`` and ``extra_bn`` (see :func:`~gradwire.lowrank.factorize`); the original
       BatchNorm after each conv stays, now after the second factor;
-    * the optimizer is rebuilt by ``optimizer_factory(model.parameters())``, then takes the old
-      one's current hyperparameters group by group (``lr`` etc., so a decayed learning rate
-      stays decayed). Momentum starts fresh, as in the paper; ``carry_momentum=True`` keeps the
-      optimizer state of the layers that stayed full-rank (same Parameter objects);
+    * the optimizer is rebuilt by ``optimizer_factory(model.parameters())``, then, when it has
+      as many parameter groups, takes the old one's current hyperparameters group by group
+      (``lr`` etc., so a decayed learning rate stays decayed). Momentum starts fresh, as in the
+      paper; ``carry_momentum=True`` keeps the optimizer state of the layers that stayed
+      full-rank (same Parameter objects);
     * a DDP-wrapped model is wrapped again with the same device_ids, output_device, process
       group, bucket size and flags (DDP broadcasts rank 0's factors on construction). Comm
       hooks are not carried over: pass ``ddp_factory(module) -> DDP`` to register them again.
 
     LR schedulers hold the old optimizer: point them at the new one after the switch
     (``scheduler.optimizer = warmup.optimizer``).
+
+    Args:
+        model: the model to train, or its DDP wrapper.
+        optimizer_factory: builds an optimizer from parameters; called now and at the switch.
+        warmup_epochs: full-rank epochs, an int >= 0 (0: factorize at once).
+        rank_ratio: as for :func:`~gradwire.lowrank.factorize`.
+        keep_full: as for :func:`~gradwire.lowrank.factorize`.
+        min_params: as for :func:`~gradwire.lowrank.factorize`.
+        extra_bn: as for :func:`~gradwire.lowrank.factorize`.
+        carry_momentum: keep the optimizer state of the layers left full-rank.
+        ddp_factory: wraps the factorized module again (None: a DDP with the old one's options).
+
+    Raises:
+        ValueError: a bad ``warmup_epochs``, or what :func:`~gradwire.lowrank.factorize` would
+            raise for these options (checked now, not after the warm-up has been paid for).
 
     Example:
         >>> import torch

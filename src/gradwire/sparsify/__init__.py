@@ -28,7 +28,17 @@ def sparsifiers() -> list[str]:
 
 
 def sparsify(flat: torch.Tensor, sparsifier: Sparsifier, *, step: int = 0, tensor_id: int = 0) -> SparseTensor:
-    """``sparsifier``'s selection of ``flat`` (any shape; flattened) with its values gathered."""
+    """``sparsifier``'s selection of ``flat`` with its values gathered.
+
+    Args:
+        flat: a floating tensor of any shape (flattened), on any device.
+        sparsifier: what chooses the positions.
+        step: as for :meth:`Sparsifier.select`.
+        tensor_id: as for :meth:`Sparsifier.select`.
+
+    Returns:
+        The kept values (``flat``'s dtype and device) at their flat positions.
+    """
     flat = flat.reshape(-1)
     indices = sparsifier.select(flat, step=step, tensor_id=tensor_id)
     return SparseTensor(flat[indices], indices, flat.numel())

@@ -15,7 +15,8 @@ by exactly one of
 Non-finite inputs: the selection never checks for them. NaN compares false, so threshold-based
 selection (``threshold``, ``sampled-topk``, ``gaussian-k``) never keeps a NaN (but ``±inf``
 passes any threshold); ``topk`` ranks NaN below every number, so keeps it only when fewer
-than ``k`` elements are not NaN; the random sparsifiers ignore values altogether. Callers check gradients for NaN/Inf before sparsifying.
+than ``k`` elements are not NaN; the random sparsifiers ignore values altogether. Callers check
+gradients for NaN/Inf before sparsifying.
 """
 
 from __future__ import annotations
@@ -48,11 +49,18 @@ class Sparsifier(Configurable, ABC):
     def select(self, flat: torch.Tensor, *, step: int = 0, tensor_id: int = 0) -> torch.Tensor:
         """Positions to keep.
 
-        ``flat``: 1-D floating tensor (any float dtype, any device), shape (numel,).
-        ``step`` / ``tensor_id``: which training step and which tensor this is; they seed the
-        sparsifiers that use randomness, so that all ranks agree and each step differs.
-        Returns int64 indices, shape (count,), strictly ascending, in ``[0, numel)``, on
-        ``flat``'s device; ``count`` lies within :meth:`count_bounds`.
+        Args:
+            flat: 1-D floating tensor (any float dtype, any device), shape (numel,).
+            step: which training step this is.
+            tensor_id: which tensor of the step this is. ``step`` and ``tensor_id`` seed the
+                sparsifiers that use randomness, so that all ranks agree and each step differs.
+
+        Returns:
+            int64 indices, shape (count,), strictly ascending, in ``[0, numel)``, on ``flat``'s
+            device; ``count`` lies within :meth:`count_bounds`.
+
+        Raises:
+            ValueError: ``flat`` is not a 1-D floating-point tensor.
         """
         if flat.dim() != 1:
             raise ValueError(f"flat must be a 1-D tensor, got shape {tuple(flat.shape)}")
@@ -68,14 +76,17 @@ class Sparsifier(Configurable, ABC):
 
     def select_compensated(self, grad: torch.Tensor, residual: "torch.Tensor | None", out: torch.Tensor, *,
                            step: int = 0, tensor_id: int = 0) -> torch.Tensor:
-        """``out = grad + residual`` (``out = grad`` when ``residual`` is None), then :meth:`select`
-        on ``out``. A sparsifier may fuse the two (``topk`` does, on the CPU: one pass over memory
-        instead of two); the result is the same.
+        """``out = grad + residual`` (``out = grad`` when ``residual`` is None), then :meth:`select` on ``out``.
+
+        A sparsifier may fuse the two (``topk`` does, on the CPU: one pass over memory instead of
+        two); the result is the same.
 
         Args:
             grad: (numel,) floating gradient, not modified.
             residual: (numel,) in ``out``'s dtype, or None.
             out: (numel,) float32/float64 buffer for the compensated gradient.
+            step: as for :meth:`select`.
+            tensor_id: as for :meth:`select`.
 
         Returns:
             int64 indices as :meth:`select` returns them.
@@ -114,6 +125,15 @@ class BudgetSparsifier(Sparsifier):
 
     Subclasses implement :meth:`_select_k`, called only with ``1 <= k < numel``; selecting
     everything (``k == numel``) is answered here with ``arange(numel)``.
+
+    Args:
+        density: keep ``max(1, round(density * numel))`` elements, a number in (0, 1].
+        k: keep ``min(k, numel)`` elements, an int >= 1.
+        seed: an int >= 0 that seeds the randomness of the sparsifiers that use it (with the
+            step and tensor id); the others ignore it.
+
+    Raises:
+        ValueError: not exactly one of ``density`` and ``k``, or a value out of range.
     """
 
     #: Allowed relative deviation of the returned count from ``k``: 0 means exactly ``k``.
@@ -201,6 +221,20 @@ def get_sparsifier(
     ``density``/``k``/``threshold`` are passed on only when given, so a sparsifier that does
     not take one (``threshold`` takes no density; ``topk`` takes no threshold) rejects it with a
     ``ValueError`` naming the option and what the sparsifier accepts.
+
+    Args:
+        name: a registered name (:func:`~gradwire.sparsify.sparsifiers` lists them).
+        density: fraction of elements to keep, for the sparsifiers told an amount.
+        k: elements to keep, for the same ones (exactly one of ``density`` and ``k``).
+        threshold: the magnitude of ``threshold``.
+        seed: seeds the random choices (always passed on).
+        **options: the sparsifier's own options (e.g. ``sample_fraction``).
+
+    Returns:
+        The sparsifier.
+
+    Raises:
+        ValueError: an unknown name, an option the sparsifier does not take, or a bad value.
     """
     given = {"density": density, "k": k, "threshold": threshold}
     params = {key: value for key, value in given.items() if value is not None}

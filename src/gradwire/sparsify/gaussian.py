@@ -17,7 +17,12 @@ from .sampled import ThresholdSearch
 
 @register_sparsifier
 class GaussianK(ThresholdSearch):
-    """Threshold search started from a Gaussian fit of the values (mean, std)."""
+    """Threshold search started from a Gaussian fit of the values (mean, std).
+
+    One reduction over the tensor instead of a sample; real gradients have heavier tails than a
+    Gaussian, so expect more adjustments than with ``sampled-topk``. Options and count bound as
+    :class:`~gradwire.sparsify.sampled.ThresholdSearch`'s.
+    """
 
     name = "gaussian-k"
 

@@ -27,7 +27,16 @@ from .base import DataSizedSparsifier, check_seed, is_density, register_sparsifi
 
 @register_sparsifier
 class NonZero(DataSizedSparsifier):
-    """Keep every element ``x`` with ``x != 0`` (NaN included)."""
+    """Keep every element ``x`` with ``x != 0`` (NaN included); the count is 0 to ``numel``.
+
+    Args:
+        density: accepted and ignored (the hook fills in a default density when no amount is
+            given); a number in (0, 1] when given.
+        seed: an int >= 0, ignored.
+
+    Raises:
+        ValueError: a value out of range.
+    """
 
     name = "nonzero"
 

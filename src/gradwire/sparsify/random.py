@@ -84,7 +84,8 @@ class RandomK(BudgetSparsifier):
     """Keep ``k`` positions drawn uniformly without replacement (Stich et al.'s random-k).
 
     Same ``(seed, step, tensor_id)`` -> same positions, whatever the values; a different step or
-    tensor draws afresh. Exactly ``k`` elements.
+    tensor draws afresh. Exactly ``k`` elements, in ``O(k log k)`` (:func:`random_distinct`).
+    Options (``density`` or ``k``, ``seed``) as :class:`~gradwire.sparsify.base.BudgetSparsifier`'s.
     """
 
     name = "randomk"
@@ -112,7 +113,8 @@ class RandomBlock(BudgetSparsifier):
 
     Eghlidi & Jaggi's random block (PowerSGD's ``UniformRandomSparseBlockReducer``): the indices
     cost nothing to send (a start suffices) and the values are a contiguous slice. Exactly ``k``
-    elements; same ``(seed, step, tensor_id)`` -> same block.
+    elements; same ``(seed, step, tensor_id)`` -> same block. Options (``density`` or ``k``,
+    ``seed``) as :class:`~gradwire.sparsify.base.BudgetSparsifier`'s.
     """
 
     name = "randomblock"

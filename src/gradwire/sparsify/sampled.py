@@ -17,6 +17,7 @@ from abc import abstractmethod
 
 import torch
 
+from ..errors import is_integer, is_real
 from .base import BudgetSparsifier, register_sparsifier
 from .random import generator_for
 from .threshold import indices_at_or_above
@@ -35,6 +36,17 @@ class ThresholdSearch(BudgetSparsifier):
     Subclasses supply :meth:`initial_threshold`. Each candidate scan keeps the positions and
     magnitudes at or above the lowest threshold tried so far; raising the threshold then only
     filters those (cheap), and only lowering it below every previous try rescans the tensor.
+    The count always lies within ``±tolerance`` of ``k``: out of tries, an exact top-k decides.
+
+    Args:
+        density: as for :class:`~gradwire.sparsify.base.BudgetSparsifier`.
+        k: as for :class:`~gradwire.sparsify.base.BudgetSparsifier`.
+        seed: seeds the sample (with the step and tensor id).
+        tolerance: allowed relative deviation of the count from ``k``, in [0, 1) (default 0.2).
+        max_tries: threshold adjustments before the exact fallback, an int >= 1 (default 10).
+
+    Raises:
+        ValueError: a value out of range.
     """
 
     def __init__(
@@ -47,12 +59,12 @@ class ThresholdSearch(BudgetSparsifier):
         max_tries: int = 10,
     ) -> None:
         super().__init__(density=density, k=k, seed=seed)
-        if not (isinstance(tolerance, (int, float)) and 0.0 <= tolerance < 1.0):
+        if not (is_real(tolerance) and 0.0 <= tolerance < 1.0):
             raise ValueError(f"tolerance={tolerance!r} must be in [0, 1)")
-        if not (isinstance(max_tries, int) and max_tries >= 1):
+        if not (is_integer(max_tries) and max_tries >= 1):
             raise ValueError(f"max_tries={max_tries!r} must be an integer >= 1")
         self.tolerance = float(tolerance)
-        self.max_tries = max_tries
+        self.max_tries = int(max_tries)
 
     @abstractmethod
     def initial_threshold(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> float | None:
@@ -97,9 +109,16 @@ class ThresholdSearch(BudgetSparsifier):
 class SampledTopK(ThresholdSearch):
     """DGC's sampled top-k: the threshold is the matching quantile of ``|x|`` over a random sample.
 
-    Options: ``sample_fraction`` (default 0.01) of the elements, at least ``min_sample``
-    (default 4096), drawn with replacement from a generator seeded by ``(seed, step,
-    tensor_id)`` (deterministic). Tensors no larger than the sample get an exact top-k.
+    The sample is drawn with replacement from a generator seeded by ``(seed, step, tensor_id)``
+    (deterministic). Tensors no larger than the sample get an exact top-k. Takes
+    :class:`ThresholdSearch`'s options, and two more.
+
+    Args:
+        sample_fraction: the sample's share of the elements, in (0, 1] (default 0.01).
+        min_sample: the smallest sample, an int >= 1 (default 4096).
+
+    Raises:
+        ValueError: a value out of range.
     """
 
     name = "sampled-topk"
@@ -116,12 +135,12 @@ class SampledTopK(ThresholdSearch):
         min_sample: int = 4096,
     ) -> None:
         super().__init__(density=density, k=k, seed=seed, tolerance=tolerance, max_tries=max_tries)
-        if not (isinstance(sample_fraction, (int, float)) and 0.0 < sample_fraction <= 1.0):
+        if not (is_real(sample_fraction) and 0.0 < sample_fraction <= 1.0):
             raise ValueError(f"sample_fraction={sample_fraction!r} must be in (0, 1]")
-        if not (isinstance(min_sample, int) and min_sample >= 1):
+        if not (is_integer(min_sample) and min_sample >= 1):
             raise ValueError(f"min_sample={min_sample!r} must be an integer >= 1")
         self.sample_fraction = float(sample_fraction)
-        self.min_sample = min_sample
+        self.min_sample = int(min_sample)
 
     def initial_threshold(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> float | None:
         numel = flat.numel()

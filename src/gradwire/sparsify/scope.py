@@ -15,7 +15,13 @@ from .base import Sparsifier
 def select_layerwise(sparsifier: Sparsifier, flats: list[torch.Tensor], *, step: int = 0) -> list[torch.Tensor]:
     """One selection per tensor; tensor ``i`` is selected with ``tensor_id=i``.
 
-    ``flats``: 1-D float tensors. Returns, for each, ascending int64 indices on its device.
+    Args:
+        sparsifier: what chooses the positions; its amount applies to each tensor.
+        flats: 1-D float tensors.
+        step: the training step.
+
+    Returns:
+        For each tensor, ascending int64 indices on its device.
     """
     return [sparsifier.select(flat, step=step, tensor_id=i) for i, flat in enumerate(flats)]
 
@@ -23,11 +29,22 @@ def select_layerwise(sparsifier: Sparsifier, flats: list[torch.Tensor], *, step:
 def select_global(sparsifier: Sparsifier, flats: list[torch.Tensor], *, step: int = 0) -> list[torch.Tensor]:
     """One selection over the concatenation of ``flats``, split back into per-tensor indices.
 
-    ``flats``: 1-D float tensors on one device (dtypes are promoted to a common one for the
-    selection). The amount (``density`` or ``k``) applies to the total element count, and the
-    selection uses ``tensor_id=0``. Returns, for each tensor, ascending int64 indices local to
-    that tensor, on its device; their union (shifted by the tensor offsets) is exactly the set
-    ``sparsifier.select(torch.cat(flats))`` returns.
+    The amount (``density`` or ``k``) applies to the total element count, and the selection
+    uses ``tensor_id=0``.
+
+    Args:
+        sparsifier: what chooses the positions.
+        flats: 1-D float tensors on one device (dtypes are promoted to a common one for the
+            selection).
+        step: the training step.
+
+    Returns:
+        For each tensor, ascending int64 indices local to that tensor, on its device; their
+        union (shifted by the tensor offsets) is exactly the set
+        ``sparsifier.select(torch.cat(flats))`` returns.
+
+    Raises:
+        ValueError: some tensor is not 1-D.
     """
     if not flats:
         return []

@@ -34,6 +34,7 @@ NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.floa
 
 
 def chunk_buffers(numel: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's reusable ``(magnitudes, mask)`` scan buffers of ``numel`` elements (views)."""
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None or buffers[0].size < numel or buffers[0].dtype != dtype:
         size = max(numel, buffers[0].size if buffers is not None and buffers[0].dtype == dtype else 0)
@@ -57,11 +58,18 @@ def representable_at_least(threshold: float, dtype: torch.dtype) -> float:
 
 
 def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Ascending int64 positions ``i`` of ``flat`` (1-D, float) where ``|flat[i]| >= threshold``.
+    """The positions ``i`` of ``flat`` where ``|flat[i]| >= threshold``.
 
     Exact in ``flat``'s dtype (see :func:`representable_at_least`); NaN is never selected. On the
     CPU the tensor is scanned in cache-sized chunks (numpy for the dtypes it has), elsewhere in
     one pass.
+
+    Args:
+        flat: (numel,) floating tensor, any device.
+        threshold: the magnitude, in ``flat``'s units.
+
+    Returns:
+        int64, strictly ascending, on ``flat``'s device.
     """
     bound = representable_at_least(threshold, flat.dtype)
     numel = flat.numel()
@@ -88,7 +96,14 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
 class Threshold(DataSizedSparsifier):
     """Keep every element with ``|x| >= threshold``; the count ranges from 0 to ``numel``.
 
-    ``threshold`` > 0 is in the gradient's units. ``target_k`` is None (no target).
+    ``target_k`` is None (no target), so the exchange must cope with a variable size.
+
+    Args:
+        threshold: the magnitude to keep, a finite number > 0 in the gradient's units.
+        seed: an int >= 0, ignored.
+
+    Raises:
+        ValueError: a value out of range.
     """
 
     name = "threshold"

@@ -69,10 +69,17 @@ def _largest_numpy(magnitudes: np.ndarray, k: int) -> np.ndarray:
 
 
 def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 positions of the ``k`` largest ``|flat|`` (1-D float, ``1 <= k <= numel``).
+    """Ascending int64 positions of the ``k`` largest ``|flat|``, exactly.
 
-    Exact. NaN ranks below every number (it is kept only when fewer than ``k`` elements are
-    not NaN), on every path.
+    NaN ranks below every number (it is kept only when fewer than ``k`` elements are not NaN),
+    on every path; ties at the k-th magnitude keep the first positions.
+
+    Args:
+        flat: (numel,) floating tensor, any device.
+        k: ``1 <= k <= numel``.
+
+    Returns:
+        (k,) int64, strictly ascending, on ``flat``'s device.
     """
     numel = flat.numel()
     # on a GPU, torch.topk is a radix select and needs no host sync; the sampled threshold's scan
@@ -88,15 +95,19 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 
 def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                                    k: int) -> torch.Tensor:
-    """``out = grad + residual`` (``out = grad`` without a residual) and the ascending int64
-    positions of the ``k`` largest ``|out|``: the same result as compensating, then
-    :func:`largest_magnitudes`, with one pass over memory on the CPU.
+    """``out = grad + residual`` (``out = grad`` without a residual) and the top-k of ``|out|``.
+
+    The same result as compensating, then :func:`largest_magnitudes`, with one pass over memory
+    on the CPU.
 
     Args:
         grad: (n,) float gradient (not modified).
         residual: (n,) of ``out``'s dtype, or None.
         out: (n,) float32/float64 buffer that receives the compensated gradient.
         k: ``1 <= k <= n``.
+
+    Returns:
+        Ascending int64 positions of the ``k`` largest ``|out|``, on ``out``'s device.
     """
     numel = grad.numel()
     fused = (out.device.type == "cpu" and out.dtype in NUMPY_DTYPES and numel >= SCAN_MIN_NUMEL
@@ -194,7 +205,13 @@ def _magnitudes_nan_last(flat: torch.Tensor) -> torch.Tensor:
 
 @register_sparsifier
 class TopK(BudgetSparsifier):
-    """Keep exactly the ``k`` elements of largest ``|x|`` (see :func:`largest_magnitudes`)."""
+    """Keep exactly the ``k`` elements of largest ``|x|`` (see :func:`largest_magnitudes`).
+
+    Exact, ties at the k-th magnitude kept by position; NaN ranks below every number. Large CPU
+    tensors are scanned for a sampled threshold and only the candidates ranked (module
+    docstring); on a GPU ``torch.topk`` runs directly, with no host sync. Options (``density``
+    or ``k``; ``seed`` is ignored) as :class:`~gradwire.sparsify.base.BudgetSparsifier`'s.
+    """
 
     name = "topk"
 

@@ -19,6 +19,7 @@ MAX_POSITION_BITS = 40
 
 
 def require_count(numel: int, count: int) -> None:
+    """DecodeError unless the header's ``count`` is in ``[0, numel]``."""
     require(0 <= count <= numel, f"count {count} is not in [0, numel={numel}]")
 
 
@@ -167,6 +168,7 @@ def read_fields(buffer: np.ndarray, offsets: np.ndarray, widths: np.ndarray) -> 
 
 
 def varint_bytes(value: int) -> bytes:
+    """One non-negative int as LEB128 (a header field)."""
     return encode_varint(np.array([value], dtype=np.uint64))
 
 

@@ -86,7 +86,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ...errors import check_choice, is_integer, is_real, require
+from ...errors import check_choice, check_int, is_real, require
 from ..base import IndexCodec, IndexEncoding, register_index_codec
 
 #: Largest ``numel`` the codec accepts: the receiver hashes every position.
@@ -373,11 +373,25 @@ def sizing(k: int, fpr: float) -> tuple[int, int]:
 class BloomIndexCodec(IndexCodec):
     """DeepReduce Bloom-filter index codec; lossy, see the module docstring.
 
-    Options: ``fpr`` — target false-positive rate, ``2**-32 <= fpr < 1`` (default 0.01:
-    9.6 bits per index; under ``p0`` it costs about ``fpr * numel`` extra values, so choose it
-    well below the density ``k / numel``); ``policy`` — ``"p0"`` (default; every positive),
-    ``"p1"`` (k at random) or ``"p2"`` (conflict sets); ``seed`` — unsigned 64-bit, salts the
-    hashes and the random choices (vary it per step to decorrelate false positives).
+    The filter costs about ``1.44 log2(1 / fpr)`` bits per index (9.6 at the default), and
+    ``encode`` returns in :attr:`~gradwire.codecs.IndexEncoding.positions` exactly the positions
+    the receiver will use (``stats`` counts the false positives). Decoding queries all ``numel``
+    positions, ``O(numel * h)``, so ``numel`` is limited to 2**32 and each position counts 8x
+    against the payload's decode budget (:attr:`scans_every_position`; docs/wire-format.md,
+    "Decode cost bounds").
+
+    Args:
+        fpr: target false-positive rate, ``2**-32 <= fpr < 1`` (default 0.01). Under ``p0`` it
+            costs about ``fpr * numel`` extra values, so choose it well below the density
+            ``k / numel``.
+        policy: ``"p0"`` (default; every positive), ``"p1"`` (k at random) or ``"p2"`` (conflict
+            sets first, then k at random).
+        seed: unsigned 64-bit, salts the hashes and the random choices (vary it per step to
+            decorrelate false positives); it travels in the section.
+
+    Raises:
+        ValueError: an option out of range. ``encode`` also raises it for ``numel > 2**32`` or a
+            filter of more than 2**32 bits.
     """
 
     name = "bloom"
@@ -389,11 +403,9 @@ class BloomIndexCodec(IndexCodec):
         if not is_real(fpr) or not 2.0**-32 <= fpr < 1.0:
             raise ValueError(f"fpr={fpr!r} is not supported; allowed: a number with 2**-32 <= fpr < 1")
         check_choice("policy", policy, POLICIES)
-        if not is_integer(seed) or not 0 <= seed <= _MASK64:
-            raise ValueError(f"seed={seed!r} is not supported; allowed: an integer in [0, 2**64)")
         self.fpr = float(fpr)
         self.policy = policy
-        self.seed = int(seed)
+        self.seed = check_int("seed", seed, 0, _MASK64)
 
     # -- encode -------------------------------------------------------------------------------
 
@@ -447,8 +459,10 @@ class BloomIndexCodec(IndexCodec):
         policy, h, seed, k, m = _HEADER.unpack_from(data, 0)
         require(policy < len(POLICIES), f"unknown bloom policy {policy}")
         require(1 <= h <= MAX_HASHES, f"bloom hash count {h} is not in [1, {MAX_HASHES}]")
-        require(8 <= m <= MAX_FILTER_BITS and m % 8 == 0, f"bloom filter size {m} bits is not a multiple of 8 in [8, 2**32]")
-        require(len(data) - _HEADER.size == m // 8, f"bloom filter has {len(data) - _HEADER.size} bytes, header says {m // 8}")
+        require(8 <= m <= MAX_FILTER_BITS and m % 8 == 0,
+                f"bloom filter size {m} bits is not a multiple of 8 in [8, 2**32]")
+        require(len(data) - _HEADER.size == m // 8,
+                f"bloom filter has {len(data) - _HEADER.size} bytes, header says {m // 8}")
         require(k <= numel, f"bloom filter holds {k} indices for a tensor of {numel}")
         if policy == 0:
             require(count >= k, f"p0 sends every positive, at least the {k} inserted, not {count}")

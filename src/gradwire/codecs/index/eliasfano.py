@@ -27,6 +27,14 @@ def low_width(numel: int, count: int) -> int:
 
 @register_index_codec
 class EliasFanoIndexCodec(IndexCodec):
+    """Lossless: Elias-Fano, at most ``2 + ceil(log2(n / k))`` bits per index.
+
+    About 0.5 bits per index above the information bound at typical densities, with no
+    parameter to send (``l`` follows from ``numel`` and ``count``); no options. Every index
+    sets one bit of the high bitmap, so ``k <= 8 B`` and decoding is ``O(B + k)``
+    (docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "eliasfano"
     wire_id = 6
 

@@ -93,11 +93,13 @@ def canonical_codes(lengths: "list[int]") -> "list[int]":
 
 
 def pack_lengths(lengths: "list[int]") -> bytes:
+    """The code table: each length (0..15) in a nibble, low nibble first, zero-padded."""
     padded = list(lengths) + [0] * (len(lengths) % 2)
     return bytes(low | (high << 4) for low, high in zip(padded[0::2], padded[1::2]))
 
 
 def unpack_lengths(data: memoryview, size: int) -> "list[int]":
+    """Inverse of :func:`pack_lengths` for ``size`` symbols; DecodeError if the padding is not zero."""
     nibbles = [part for byte in bytes(data) for part in (byte & 15, byte >> 4)]
     require(all(length == 0 for length in nibbles[size:]), "code table padding is not zero")
     return nibbles[:size]
@@ -105,6 +107,14 @@ def unpack_lengths(data: memoryview, size: int) -> "list[int]":
 
 @register_index_codec
 class HuffmanIndexCodec(IndexCodec):
+    """Lossless: canonical Huffman code of the gaps' size classes, the rest of each gap raw.
+
+    For random positions 1-3% above the information bound (more at high density), plus a code
+    table of at most 21 bytes; no options. Every code takes at least one bit, so ``k <= 8 B``;
+    decoding is ``O(B log k)`` whole-array passes (pointer doubling, no loop per element;
+    docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "huffman"
     wire_id = 5
 
@@ -134,7 +144,8 @@ class HuffmanIndexCodec(IndexCodec):
         code_stream = np.frombuffer(reader.take(read_varint(reader, "code bytes"), "code stream"), dtype=np.uint8)
         mantissa_stream = np.frombuffer(reader.rest(), dtype=np.uint8)
         if count == 0:
-            require(alphabet == 0 and code_stream.size == 0 and mantissa_stream.size == 0, "non-empty section for no indices")
+            require(alphabet == 0 and code_stream.size == 0 and mantissa_stream.size == 0,
+                    "non-empty section for no indices")
             return np.zeros(0, dtype=np.int64)
         require(any(lengths), "code table is empty")
         require(

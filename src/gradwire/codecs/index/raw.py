@@ -14,6 +14,14 @@ from ..base import IndexCodec, IndexEncoding, register_index_codec
 
 @register_index_codec
 class RawIndexCodec(IndexCodec):
+    """Lossless COO baseline: every index as a uint32 (uint64 beyond 2**32 positions).
+
+    32 bits per index (64 for tensors of more than 2**32 elements) plus one byte; no options.
+    Decoding reads ``k = (B - 1) / width`` indices from a section of ``B`` bytes in ``O(k)``
+    (docs/wire-format.md, "Decode cost bounds"); order and range are checked by the payload
+    layer.
+    """
+
     name = "raw"
     wire_id = 1
 
@@ -29,5 +37,6 @@ class RawIndexCodec(IndexCodec):
         require(len(data) >= 1, "raw index section is empty")
         width = data[0]
         require(width in (4, 8), f"raw index width {width} is not 4 or 8")
-        require(len(data) == 1 + width * count, f"raw index section has {len(data)} bytes, expected {1 + width * count}")
+        require(len(data) == 1 + width * count,
+                f"raw index section has {len(data)} bytes, expected {1 + width * count}")
         return np.frombuffer(data[1:], dtype=f"<u{width}").astype(np.int64)

@@ -50,6 +50,14 @@ def run_lengths(indices: np.ndarray) -> np.ndarray:
 
 @register_index_codec
 class RunLengthIndexCodec(IndexCodec):
+    """Lossless: DeepReduce's run-length code, Elias-gamma lengths of alternating 0/1 runs.
+
+    Near-free for long runs of consecutive indices (all of ``[0, n)`` takes a few bytes), about
+    ``2 log2(n / k)`` bits per index for scattered ones; no options. A run of ``2**40`` takes a
+    few bytes, so the section does not bound ``k``: decoding is ``O(B + k)`` and ``k`` is bounded
+    by the payload layer's limit (docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "rle"
     wire_id = 4
 

@@ -59,7 +59,18 @@ def max_symbols(words: int) -> int:
 
 
 def encode_symbols(symbols: np.ndarray, alphabet: int) -> bytes:
-    """A stream for ``symbols`` (integers in ``[0, alphabet)``, 2 <= alphabet <= MAX_ALPHABET)."""
+    """One ANS stream (layout in the module docstring) for ``symbols``.
+
+    Args:
+        symbols: integers in ``[0, alphabet)``, any shape (flattened).
+        alphabet: the table's size, ``2 <= alphabet <= MAX_ALPHABET``.
+
+    Returns:
+        The stream bytes: table, word count and words.
+
+    Raises:
+        ValueError: ``alphabet`` out of range.
+    """
     if not 2 <= alphabet <= MAX_ALPHABET:
         raise ValueError(f"alphabet of {alphabet} symbols is not in 2..{MAX_ALPHABET}")
     symbols = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
@@ -73,9 +84,24 @@ def encode_symbols(symbols: np.ndarray, alphabet: int) -> bytes:
 
 
 def decode_symbols(reader: ByteReader, count: int, alphabet: int, what: str) -> np.ndarray:
-    """``count`` symbols (int64, in ``[0, alphabet)``) from the stream at ``reader``'s position,
-    whose table must be of size ``alphabet``; DecodeError on any inconsistency. Reads exactly
-    the stream's bytes."""
+    """Read one ANS stream at ``reader``'s position, exactly its bytes.
+
+    ``count`` is checked against the stream's symbol bound (:func:`max_symbols`) before anything
+    of its size is allocated.
+
+    Args:
+        reader: positioned at the stream; left just after it.
+        count: symbols to decode, from the payload header.
+        alphabet: the table size the stream must declare.
+        what: names the stream in error messages.
+
+    Returns:
+        (count,) int64 symbols in ``[0, alphabet)``.
+
+    Raises:
+        DecodeError: on any inconsistency (table, word count, a stream that does not end in
+            the seed state or whose symbols do not match the table).
+    """
     require(count >= 0, "negative element count")
     declared = reader.u32(f"{what} alphabet size")
     require(declared == alphabet, f"{what}: alphabet of {declared} symbols, expected {alphabet}")

@@ -19,19 +19,20 @@ value) when that meets the tolerance, else float32 (float64 input), else the inp
 float32 / own dtype, the cheapest that meets the tolerance, no permutation needed), and the
 smaller one is sent.
 
-The permutation is the honest cost of this family: each value's rank takes
-``ceil(log2 k)`` bits (13 at k = 5,000, 18 at k = 167,772; the floor for any exact code is
-log2(k!)/k, 10.8 and 15.9 bits), so the fitted layout beats plain float16 only for
-k <= 2**15. Naming each value's *place on the curve* only as finely as the tolerance needs is
-what pays at any k: the **levels** layout sends every value as the nearest multiple ``q`` of a
-step just under ``2 T`` (so ``|q * step - v| <= T``, room left for the final rounding), entropy-coded with ANS under the section's own
-histogram of ``q`` (:mod:`._ans`) -- the sorted curve's information (where the values lie, how
-densely) is exactly that histogram, and a rank is never sent. At the default tolerance 0.05 it
-costs about 3 bits per value on gradients at any k, against 16 for float16 and 17-22 bits of
-ranks alone for k = 2**16 .. 2**22 (``gradwire bench codecs`` prints the rows). The encoder
-checks the decoded values like every other layout (a coarser step that fails on some value,
-e.g. through the final rounding to bfloat16, is retried at half the step) and sends whichever
-layout -- plain, levels or fitted -- is smallest; the codecs' ``level_layout=False`` leaves it out.
+The permutation is the honest cost of this family: each value's rank takes ``ceil(log2 k)`` bits
+(13 at k = 5,000, 18 at k = 167,772; the floor for any exact code is log2(k!)/k, 10.8 and 15.9
+bits), so the fitted layout beats plain float16 only for k <= 2**15. Naming each value's *place
+on the curve* only as finely as the tolerance needs is what pays at any k: the **levels** layout
+sends every value as the nearest multiple ``q`` of a step just under ``2 T`` (so
+``|q * step - v| <= T``, room left for the final rounding), entropy-coded with ANS under the
+section's own histogram of ``q`` (:mod:`._ans`) -- the sorted curve's information (where the
+values lie, how densely) is exactly that histogram, and a rank is never sent. At the default
+tolerance 0.05 it costs about 3 bits per value on gradients at any k, against 16 for float16 and
+17-22 bits of ranks alone for k = 2**16 .. 2**22 (``gradwire bench codecs`` prints the rows).
+The encoder checks the decoded values like every other layout (a coarser step that fails on some
+value, e.g. through the final rounding to bfloat16, is retried at half the step) and sends
+whichever layout -- plain, levels or fitted -- is smallest; the codecs' ``level_layout=False``
+leaves it out.
 
 Section layout (little-endian)::
 
@@ -138,6 +139,7 @@ class Batch:
 
     @staticmethod
     def of(lengths: np.ndarray) -> "Batch":
+        """The batch of segments of ``lengths`` (each >= 1) laid end to end."""
         lengths = lengths.astype(np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         seg = np.repeat(np.arange(lengths.size), lengths)
@@ -204,8 +206,19 @@ def encode_fit(
 ) -> tuple[bytes, torch.Tensor]:
     """Section bytes and exactly what :func:`decode_fit` will return for them.
 
-    ``allow_plain=False`` forces the fitted layout (for measurements of the fit itself; no
-    levels either). ``allow_levels=False`` leaves the levels layout out of the choice.
+    Args:
+        values: (k,) float16/bfloat16/float32/float64, finite.
+        model: the curve family of the fitted layout.
+        tolerance: the bound ``|decoded - v| <= tolerance * max|v|``, in (0, 1].
+        allow_plain: False forces the fitted layout (for measurements of the fit itself; no
+            levels either).
+        allow_levels: False leaves the levels layout out of the choice.
+
+    Returns:
+        ``(section, decoded)``, ``decoded`` of ``values``' shape and dtype.
+
+    Raises:
+        ValueError: ``values`` holds NaN or Inf.
     """
     values = values.detach().cpu().contiguous()
     dtype = values.dtype
@@ -351,7 +364,8 @@ def _refine(
         batch = Batch.of(r_lengths)
         positions = r_starts[batch.seg] + batch.j.astype(np.int64)
         for kind in _raw_kinds(dtype):
-            candidate = _raw_decoded(kind, scaled_sorted[positions], exponent, values_sorted[torch.from_numpy(positions)])
+            candidate = _raw_decoded(kind, scaled_sorted[positions], exponent,
+                                     values_sorted[torch.from_numpy(positions)])
             fits = np.logical_and.reduceat(_within(candidate, v_sorted[positions], limit), batch.offsets)
             take = (fits | (kind == KIND_OWN)) & (r_kinds < 0)  # own bytes are exact: always fit
             r_kinds[take] = kind
@@ -427,8 +441,22 @@ def _take_packed(reader: ByteReader, count: int, width: int, what: str) -> np.nd
 def decode_fit(
     data: memoryview, count: int, dtype: torch.dtype, model_for: "Callable[[int], CurveModel | None]"
 ) -> torch.Tensor:
-    """Decode a section written by :func:`encode_fit`. ``model_for(P)`` returns the curve model
-    for P parameters per segment, or None when P is not one the codec writes."""
+    """Decode a section written by :func:`encode_fit`.
+
+    Args:
+        data: the section, untrusted.
+        count: values to produce, from the payload header.
+        dtype: the sender's dtype.
+        model_for: ``model_for(P)`` returns the curve model for P parameters per segment, or
+            None when P is not one the codec writes.
+
+    Returns:
+        (count,) ``dtype``, in the values' original order.
+
+    Raises:
+        DecodeError: on bad bytes; the section bounds ``count`` before anything of its size is
+            allocated.
+    """
     require(count >= 0, "negative element count")
     reader = ByteReader(data)
     mode = reader.u8("mode")
@@ -440,7 +468,8 @@ def decode_fit(
         require(kind != KIND_OWN or exponent == 0, "scale exponent on own-dtype values")
         require(abs(exponent) <= _MAX_EXPONENT, f"scale exponent {exponent} out of range")
         size = _raw_bytes(kind, dtype)
-        require(reader.remaining == count * size, f"plain section holds {reader.remaining} bytes, expected {count * size}")
+        require(reader.remaining == count * size,
+                f"plain section holds {reader.remaining} bytes, expected {count * size}")
         return _read_raw(reader.rest(), kind, count, exponent, dtype)
 
     if mode == MODE_LEVELS:
@@ -519,14 +548,9 @@ def check_tolerance(tolerance: float) -> float:
     if not is_real(tolerance) or not (
         0 < float(tolerance) <= 1
     ):
-        raise ValueError(f"tolerance={tolerance!r} is not supported; allowed: a number in (0, 1] (fraction of max|values|)")
+        raise ValueError(f"tolerance={tolerance!r} is not supported; "
+                         "allowed: a number in (0, 1] (fraction of max|values|)")
     return float(tolerance)
 
 
-def check_flag(option: str, value: bool) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{option}={value!r} is not supported; allowed: True, False")
-    return value
-
-
-__all__ = ["Batch", "CurveModel", "check_flag", "check_tolerance", "decode_fit", "det_exp", "encode_fit", "finish"]
+__all__ = ["Batch", "CurveModel", "check_tolerance", "decode_fit", "det_exp", "encode_fit", "finish"]

@@ -33,7 +33,14 @@ _RAW, _ANS = 0, 1
 
 @register_value_codec
 class ANSCodec(ValueCodec):
-    """Lossless: every byte plane of the values' bit patterns, ANS-coded where that pays."""
+    """Lossless: every byte plane of the values' bit patterns, ANS-coded where that pays.
+
+    Reaches each byte plane's order-0 entropy (within about 0.03 bits per byte) where that beats
+    sending the plane raw: the sign/exponent plane of float16/bfloat16 gradients shrinks, the
+    low mantissa planes go raw. At most ``k * element size + element size`` bytes. No options.
+    Decoding bounds every plane by its bytes (raw: exactly ``k``; ANS: at most ``96 * 32``
+    symbols per 32-bit word, docs/wire-format.md), then is ``O(B + k)``.
+    """
 
     name = "ans"
     wire_id = 11

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import zstandard
 
-from ...errors import DecodeError, is_integer, require
+from ...errors import check_flag, check_int, require
 from ..base import ValueCodec, register_value_codec
-from ..bits import DEFLATE_MAX_RATIO, ZSTD_MAX_RATIO
+from ..bits import DEFLATE_MAX_RATIO, ZSTD_MAX_RATIO, inflate_exact, zstd_exact
 
 _SHUFFLED = 0x01
 
@@ -73,19 +73,14 @@ class _CompressedCodec(ValueCodec):
     max_ratio: ClassVar[int]
 
     def __init__(self, *, level: int, shuffle: bool = True) -> None:
-        low, high = self.level_range
-        if not is_integer(level) or not low <= level <= high:
-            raise ValueError(f"level={level!r} is not supported by {self.name}; allowed: integers {low}..{high}")
-        if not isinstance(shuffle, bool):
-            raise ValueError(f"shuffle={shuffle!r} is not supported; allowed: True, False")
-        self.level = int(level)
-        self.shuffle = shuffle
+        self.level = check_int("level", level, *self.level_range)
+        self.shuffle = check_flag("shuffle", shuffle)
 
     def _compress(self, raw: bytes) -> bytes:
         raise NotImplementedError
 
     def _decompress(self, stream: memoryview, expected: int) -> bytes:
-        """Exactly ``expected`` bytes, or DecodeError; never more than ``expected`` allocated."""
+        """Exactly ``expected`` bytes, or DecodeError; never more than ``expected`` (+1) allocated."""
         raise NotImplementedError
 
     def encode(self, values: torch.Tensor) -> bytes:
@@ -108,14 +103,26 @@ class _CompressedCodec(ValueCodec):
         # is refused before its frame header (which sizes the output buffer) is even read.
         require(expected <= self.max_ratio * (len(data) - 1),
                 f"{self.name}: {len(data) - 1} stream bytes cannot hold {count} values")
-        raw = self._decompress(data[1:], expected)
-        require(len(raw) == expected, f"{self.name}: decompressed {len(raw)} bytes, expected {expected}")
-        return _from_bytes(raw, count, dtype, bool(flags & _SHUFFLED))
+        return _from_bytes(self._decompress(data[1:], expected), count, dtype, bool(flags & _SHUFFLED))
 
 
 @register_value_codec
 class ZstdCodec(_CompressedCodec):
-    """Lossless: raw value bytes (byte-shuffled by default) in one Zstandard frame."""
+    """Lossless: raw value bytes (byte-shuffled by default) in one Zstandard frame.
+
+    Fresh gradients are nearly incompressible: about 27.6 bits per float32 value on
+    ``randn * 1e-3`` with the shuffle (29.6 without). Decoding requires the frame to declare
+    exactly ``k * element size`` bytes and that size to be at most ``2**15`` times the stream's
+    length, in ``O(k)`` (docs/wire-format.md, "Decode cost bounds").
+
+    Args:
+        level: zstd compression level, an int in [1, 22] (default 3): encode time for size.
+        shuffle: group the values' byte planes before compressing (default True; see the
+            module docstring for why it pays).
+
+    Raises:
+        ValueError: ``level`` out of range or ``shuffle`` not a bool.
+    """
 
     name = "zstd"
     wire_id = 4
@@ -130,21 +137,24 @@ class ZstdCodec(_CompressedCodec):
         return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(raw)
 
     def _decompress(self, stream: memoryview, expected: int) -> bytes:
-        try:
-            declared = zstandard.frame_content_size(stream)
-        except zstandard.ZstdError as error:
-            raise DecodeError(f"zstd: bad frame header: {error}") from error
-        # decompress() allocates the declared content size, so check it before anything else
-        require(declared == expected, f"zstd frame declares {declared} bytes, expected {expected}")
-        try:
-            return zstandard.ZstdDecompressor().decompress(stream, max_output_size=expected, allow_extra_data=False)
-        except zstandard.ZstdError as error:
-            raise DecodeError(f"zstd: {error}") from error
+        return zstd_exact(stream, expected, "zstd value section")
 
 
 @register_value_codec
 class DeflateCodec(_CompressedCodec):
-    """Lossless: raw value bytes (byte-shuffled by default) in one raw DEFLATE stream."""
+    """Lossless: raw value bytes (byte-shuffled by default) in one raw DEFLATE stream.
+
+    About 27.3 bits per float32 value on ``randn * 1e-3`` with the shuffle (29.6 without).
+    Decoding refuses ``k * element size`` beyond 1032 times the stream's length and never
+    inflates more than that, in ``O(k)`` (docs/wire-format.md, "Decode cost bounds").
+
+    Args:
+        level: zlib compression level, an int in [0, 9] (default 6).
+        shuffle: group the values' byte planes before compressing (default True).
+
+    Raises:
+        ValueError: ``level`` out of range or ``shuffle`` not a bool.
+    """
 
     name = "deflate"
     wire_id = 5
@@ -159,18 +169,4 @@ class DeflateCodec(_CompressedCodec):
         return compressor.compress(raw) + compressor.flush()
 
     def _decompress(self, stream: memoryview, expected: int) -> bytes:
-        decompressor = zlib.decompressobj(-15)
-        try:
-            # max_length caps the output (a bomb stops at expected bytes); expected > 0 here,
-            # since max_length=0 would mean "unbounded"
-            raw = decompressor.decompress(stream, expected)
-            if not decompressor.eof:
-                # the end-of-stream code may sit after the last output byte: consume it, and
-                # anything that would produce one more byte is too long
-                extra = decompressor.decompress(decompressor.unconsumed_tail, 1)
-                require(not extra, f"deflate stream holds more than {expected} bytes")
-        except zlib.error as error:
-            raise DecodeError(f"deflate: {error}") from error
-        require(decompressor.eof, "deflate stream is truncated")
-        require(not decompressor.unused_data and not decompressor.unconsumed_tail, "bytes after the deflate stream")
-        return raw
+        return inflate_exact(stream, expected, "deflate value section")

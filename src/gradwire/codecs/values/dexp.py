@@ -39,8 +39,9 @@ import math
 import numpy as np
 import torch
 
+from ...errors import check_flag
 from ..base import ValueCodec, register_value_codec
-from ._fit import Batch, CurveModel, check_flag, check_tolerance, decode_fit, det_exp, encode_fit
+from ._fit import Batch, CurveModel, check_tolerance, decode_fit, det_exp, encode_fit
 
 _MAX_RATE = 64.0
 _GRID_PHI = np.linspace(-math.asinh(_MAX_RATE), math.asinh(_MAX_RATE), 17)
@@ -191,7 +192,23 @@ def _model_for(n_params: int) -> "DoubleExpModel | None":
 
 @register_value_codec
 class DoubleExpCodec(ValueCodec):
-    """Sorted values fitted by piecewise double exponentials, within ``tolerance * max|v|``."""
+    """Sorted values fitted by piecewise double exponentials, within ``tolerance * max|v|``; lossy.
+
+    As :class:`~gradwire.codecs.values.polyfit.PolyFitCodec` with the model
+    ``a exp(p t) + c exp(q t)`` (four float32 parameters per fitted segment): the bound holds for
+    every element, checked by the encoder on the exact decoded values, and the smallest of the
+    fitted, levels and plain layouts is sent. Decoding is ``O(k)`` (two
+    :func:`~gradwire.codecs.values._fit.det_exp` per fitted value) and a gather; its section
+    bounds ``k`` (docs/wire-format.md, "Decode cost bounds").
+
+    Args:
+        tolerance: the error bound as a fraction of ``max|v|``, a number in (0, 1] (default 0.05).
+        level_layout: allow the levels layout (default True); False chooses between the fitted
+            and the plain layouts alone.
+
+    Raises:
+        ValueError: an option out of range. ``encode`` also raises it for NaN/Inf values.
+    """
 
     name = "dexp"
     wire_id = 8

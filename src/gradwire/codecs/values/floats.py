@@ -74,6 +74,13 @@ class _CastCodec(ValueCodec):
 
 @register_value_codec
 class Float32Codec(_CastCodec):
+    """Values as float32, 32 bits each: lossless for float32/float16/bfloat16 input.
+
+    float64 input is rounded to float32 (``lossless`` describes the usual case; the
+    reconstruction says what arrived). No options; the section is exactly ``4 k`` bytes and
+    decodes in ``O(k)`` (docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "fp32"
     wire_id = 1
     wire_dtype = torch.float32
@@ -81,6 +88,13 @@ class Float32Codec(_CastCodec):
 
 @register_value_codec
 class Float16Codec(_CastCodec):
+    """Values rounded to float16, 16 bits each: lossy, relative error at most 2**-11 in range.
+
+    Magnitudes below 6.1e-5 lose precision (subnormal) and beyond 65504 overflow to +-Inf; use
+    ``fp16-scaled`` for small gradients. No options; the section is exactly ``2 k`` bytes and
+    decodes in ``O(k)`` (docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "fp16"
     wire_id = 2
     lossless = False
@@ -89,6 +103,12 @@ class Float16Codec(_CastCodec):
 
 @register_value_codec
 class BFloat16Codec(_CastCodec):
+    """Values rounded to bfloat16, 16 bits each: lossy, relative error at most 2**-8.
+
+    float32's range, so nothing overflows. No options; the section is exactly ``2 k`` bytes and
+    decodes in ``O(k)`` (docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "bf16"
     wire_id = 3
     lossless = False

@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...errors import check_flag, check_int
 from ..base import ValueCodec, register_value_codec
-from ._fit import Batch, CurveModel, check_flag, check_tolerance, decode_fit, encode_fit
-from ...errors import is_integer
+from ._fit import Batch, CurveModel, check_tolerance, decode_fit, encode_fit
 
 MAX_DEGREE = 10
 
@@ -83,7 +83,26 @@ def _model_for(n_params: int) -> "ChebyshevModel | None":
 
 @register_value_codec
 class PolyFitCodec(ValueCodec):
-    """Sorted values fitted by piecewise Chebyshev polynomials, within ``tolerance * max|v|``."""
+    """Sorted values fitted by piecewise Chebyshev polynomials, within ``tolerance * max|v|``; lossy.
+
+    The bound ``|decoded - v| <= tolerance * max|v|`` holds for every element: the encoder checks
+    it on the exact decoded values. The encoder sends whichever of three layouts is smallest
+    (module docstrings of :mod:`.polyfit` and :mod:`._fit`): the fitted curve (plus each value's
+    rank, ``ceil(log2 k)`` bits, which limits it to small ``k``), the levels layout (about 3 bits
+    per value at the default tolerance, at any ``k``) or plain float16/float32. Decoding is one
+    Clenshaw pass and a gather, ``O(P k)``; its section bounds ``k`` (docs/wire-format.md,
+    "Decode cost bounds").
+
+    Args:
+        tolerance: the error bound as a fraction of ``max|v|``, a number in (0, 1] (default 0.05).
+        degree: polynomial degree per segment, an int in [0, 10] (default 3): ``degree + 1``
+            float32 coefficients per fitted segment.
+        level_layout: allow the levels layout (default True); False chooses between the fitted
+            and the plain layouts alone.
+
+    Raises:
+        ValueError: an option out of range. ``encode`` also raises it for NaN/Inf values.
+    """
 
     name = "polyfit"
     wire_id = 7
@@ -92,9 +111,7 @@ class PolyFitCodec(ValueCodec):
     def __init__(self, *, tolerance: float = 0.05, degree: int = 3, level_layout: bool = True) -> None:
         self.tolerance = check_tolerance(tolerance)
         self.level_layout = check_flag("level_layout", level_layout)
-        if not is_integer(degree) or not 0 <= degree <= MAX_DEGREE:
-            raise ValueError(f"degree={degree!r} is not supported; allowed: integers 0..{MAX_DEGREE}")
-        self.degree = int(degree)
+        self.degree = check_int("degree", degree, 0, MAX_DEGREE)
 
     def encode(self, values: torch.Tensor) -> bytes:
         return self.encode_with_reconstruction(values)[0]

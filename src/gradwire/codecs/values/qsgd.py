@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import is_integer, require
+from ...errors import check_int, require
 from ..base import ValueCodec, register_value_codec
 from ..bits import ByteReader, pack_uint, unpack_uint
 
@@ -84,25 +84,35 @@ def _reconstruct(codes: np.ndarray, norms: np.ndarray, bits: int, bucket_size: i
 
 @register_value_codec
 class QSGDCodec(ValueCodec):
-    """Unbiased b-bit stochastic quantization with one float32 norm per bucket."""
+    """Unbiased b-bit stochastic quantization with one float32 norm per bucket; lossy.
+
+    ``bits + 32 / bucket_size`` bits per value (4.06 at the defaults). Each value decodes to an
+    unbiased estimate within ``n / s`` of it, ``n`` its bucket's L2 norm and
+    ``s = 2**(bits - 1) - 1`` (plus rounding terms: module docstring). Every value takes at
+    least 2 bits, so ``k <= 4 B`` and decoding is ``O(k)`` (docs/wire-format.md, "Decode cost
+    bounds").
+
+    Args:
+        bits: bits per value including the sign, an int in [2, 8] (default 4): ``2**(bits-1) - 1``
+            levels per sign.
+        bucket_size: values per float32 norm, an int in [1, 2**32 - 1] (default 512). Smaller
+            buckets cost more norms and err less.
+        seed: None (default: fresh randomness on every call) or a non-negative int, which makes
+            encoding reproducible. The decoder needs no seed.
+
+    Raises:
+        ValueError: an option out of range. ``encode`` also raises it for NaN/Inf values and for
+            a bucket norm beyond float32's range.
+    """
 
     name = "qsgd"
     wire_id = 6
     lossless = False
 
     def __init__(self, *, bits: int = 4, bucket_size: int = 512, seed: "int | None" = None) -> None:
-        if not is_integer(bits) or not 2 <= bits <= 8:
-            raise ValueError(f"bits={bits!r} is not supported; allowed: integers 2..8")
-        if (
-            not is_integer(bucket_size)
-            or not 1 <= bucket_size < 1 << 32
-        ):
-            raise ValueError(f"bucket_size={bucket_size!r} is not supported; allowed: integers 1..2**32-1")
-        if seed is not None and (not is_integer(seed) or seed < 0):
-            raise ValueError(f"seed={seed!r} is not supported; allowed: None or a non-negative integer")
-        self.bits = int(bits)
-        self.bucket_size = int(bucket_size)
-        self.seed = None if seed is None else int(seed)
+        self.bits = check_int("bits", bits, 2, 8)
+        self.bucket_size = check_int("bucket_size", bucket_size, 1, (1 << 32) - 1)
+        self.seed = check_int("seed", seed, 0, optional=True)
 
     def _quantize(self, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(codes uint64, norms float32) for ``values``."""
@@ -149,7 +159,8 @@ class QSGDCodec(ValueCodec):
         # checked before anything of size count is allocated
         require(
             reader.remaining == 4 * buckets + code_bytes,
-            f"qsgd section has {reader.remaining + _HEADER_BYTES} bytes, expected {_HEADER_BYTES + 4 * buckets + code_bytes}",
+            f"qsgd section has {reader.remaining + _HEADER_BYTES} bytes, "
+            f"expected {_HEADER_BYTES + 4 * buckets + code_bytes}",
         )
         norms = np.frombuffer(reader.take(4 * buckets, "qsgd norms"), dtype="<f4")
         require(bool(np.isfinite(norms).all() and (norms >= 0).all()), "qsgd norm is negative or not finite")

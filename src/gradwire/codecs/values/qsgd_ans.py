@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import check_choice, is_integer, require
+from ...errors import check_choice, check_int, require
 from ..base import ValueCodec, register_value_codec
 from ..bits import ByteReader
 from ._ans import decode_symbols, encode_symbols
@@ -131,7 +131,32 @@ def _reconstruct(level: np.ndarray, negative: np.ndarray, low: np.ndarray, high:
 
 @register_value_codec
 class QSGDANSCodec(ValueCodec):
-    """Unbiased stochastic levels with one float32 scale per bucket, ANS-coded."""
+    """QSGD's stochastic levels with one float32 scale per bucket, ANS-coded; lossy.
+
+    The levels are far from uniformly used, so entropy coding sends ``qsgd bits=4``'s exact
+    levels (``levels=7``, ``norm="l2"``) in about 1.13 bits per value on N(0, 1) instead of 4.06;
+    the error bound per element is ``(high - low) / levels`` plus rounding (module docstring).
+    Decoding checks the symbol count against the ANS stream's length first (at most
+    ``96 * 32`` symbols per 32-bit word, docs/wire-format.md), then is ``O(B + k)``.
+
+    Args:
+        levels: ``s``, the steps between a bucket's lowest and highest level (``s + 1`` levels),
+            an int in [1, 16384] (default 7).
+        norm: the level range per bucket: ``"l2"`` (default; 0 to the L2 norm, QSGD's),
+            ``"max"`` (0 to the largest magnitude: finer levels for the same ``s``) or ``"range"``
+            (smallest to largest magnitude; suits top-k selections, whose magnitudes lie far
+            from 0).
+        bucket_size: values per scale, an int in [1, 2**32 - 1] (default 512).
+        rounding: ``"stochastic"`` (default; unbiased) or ``"nearest"`` (half the error but
+            biased: for use with error feedback, which absorbs a bias but not a variance larger
+            than the signal). Not sent: the decoder does not need it.
+        seed: None (default: fresh randomness on every call) or a non-negative int, which makes
+            stochastic rounding reproducible.
+
+    Raises:
+        ValueError: an option out of range. ``encode`` also raises it for NaN/Inf values and for
+            a bucket scale beyond float32's range.
+    """
 
     name = "qsgd-ans"
     wire_id = 10
@@ -139,20 +164,13 @@ class QSGDANSCodec(ValueCodec):
 
     def __init__(self, *, levels: int = 7, norm: str = "l2", bucket_size: int = 512, rounding: str = "stochastic",
                  seed: "int | None" = None) -> None:
-        if not is_integer(levels) or not 1 <= levels <= MAX_LEVELS:
-            raise ValueError(f"levels={levels!r} is not supported; allowed: integers 1..{MAX_LEVELS}")
+        self.levels = check_int("levels", levels, 1, MAX_LEVELS)
         check_choice("norm", norm, NORMS)
         check_choice("rounding", rounding, ROUNDINGS)
-        if (not is_integer(bucket_size)
-                or not 1 <= bucket_size < 1 << 32):
-            raise ValueError(f"bucket_size={bucket_size!r} is not supported; allowed: integers 1..2**32-1")
-        if seed is not None and (not is_integer(seed) or seed < 0):
-            raise ValueError(f"seed={seed!r} is not supported; allowed: None or a non-negative integer")
-        self.levels = int(levels)
         self.norm = norm
         self.rounding = rounding
-        self.bucket_size = int(bucket_size)
-        self.seed = None if seed is None else int(seed)
+        self.bucket_size = check_int("bucket_size", bucket_size, 1, (1 << 32) - 1)
+        self.seed = check_int("seed", seed, 0, optional=True)
 
     def _quantize(self, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(levels int64 in [0, s], negative bool, low float32, high float32) for ``values``."""

@@ -46,6 +46,15 @@ def scale_exponent(values: torch.Tensor) -> int:
 
 @register_value_codec
 class ScaledFloat16Codec(ValueCodec):
+    """float16 after an exact power-of-two scale: 16 bits per value plus one byte, lossy.
+
+    The scale puts the largest magnitude just below float16's maximum, so values down to
+    ``2**-24`` of it keep float16's full relative precision (2**-11) where plain ``fp16`` would
+    go subnormal or zero; where every value is already in float16's normal range the result is
+    bit for bit that of ``fp16``. No options; the section is exactly ``1 + 2 k`` bytes and
+    decodes in ``O(k)`` (docs/wire-format.md, "Decode cost bounds").
+    """
+
     name = "fp16-scaled"
     wire_id = 9
     lossless = False

@@ -38,10 +38,22 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 
 
 def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """Build model ``name`` (one of ``MODELS``) with its keywords, e.g. ``num_classes=10,
-    in_channels=3`` for the image models, ``vocab_size`` for the sequence models."""
+    """Build a shipped model by name.
+
+    Args:
+        name: one of ``MODELS``.
+        **kwargs: its class's keywords, e.g. ``num_classes=10, in_channels=3`` for the image
+            models, ``vocab_size`` for the sequence models.
+
+    Returns:
+        The model, on the CPU.
+
+    Raises:
+        ValueError: an unknown ``name`` (naming the allowed ones), or what the class raises.
+    """
     check_choice("model", name, tuple(MODELS))
     return MODELS[name](**kwargs)
 
 
-__all__ = ["MODELS", "build_model", "ByteGPT", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier", "VGG19", "WideMLP"]
+__all__ = ["MODELS", "build_model", "ByteGPT", "LSTMLanguageModel", "ResNet18", "SmallCNN", "TransformerClassifier",
+           "VGG19", "WideMLP"]

@@ -8,11 +8,17 @@ from torch import Tensor, nn
 
 
 class SmallCNN(nn.Module):
-    """Two 3x3 conv+BN+ReLU stages and two fully connected layers; ~153k parameters.
+    """Two 3x3 conv+BN+ReLU stages and two fully connected layers; 151,402 parameters.
 
     Input (N, in_channels, H, W) float32 with H, W >= 2 (28x28 MNIST, 8x8 digits: an adaptive
     average pool fixes the classifier's input at 64x4x4); output (N, num_classes) logits.
-    Hybrid policy: the first conv and the classifier stay full-rank.
+    Hybrid policy: the first conv and the classifier stay full-rank. (The count is for 10
+    classes and one channel.)
+
+    Args:
+        num_classes: logits per example.
+        in_channels: image channels.
+        image_size: side of :meth:`example_input`'s images (any size >= 2 runs).
     """
 
     lowrank_keep_full = ("conv1", "fc2")
@@ -33,6 +39,7 @@ class SmallCNN(nn.Module):
         return torch.randn(batch_size, *self.input_shape, device=self.fc2.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
+        """(N, in_channels, H, W) float32 images -> (N, num_classes) logits."""
         x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
         x = self.pool(F.relu(self.bn2(self.conv2(x)))).flatten(1)
         return self.fc2(F.relu(self.fc1(x)))

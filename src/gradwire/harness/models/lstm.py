@@ -13,6 +13,18 @@ class LSTMLanguageModel(nn.Module):
     With ``tie_weights`` (as in Pufferfish's LM) the decoder shares the embedding matrix, which
     needs ``embed_dim == hidden_size``. Hybrid policy: the embedding and decoder stay full-rank
     (the embedding is never a candidate); the LSTM is factorized.
+
+    Args:
+        vocab_size: token ids.
+        embed_dim: embedding width.
+        hidden_size: LSTM width.
+        num_layers: LSTM layers.
+        dropout: after the embedding, between LSTM layers and before the decoder.
+        tie_weights: share the embedding matrix with the decoder.
+        seq_len: length of :meth:`example_input`'s sequences.
+
+    Raises:
+        ValueError: ``tie_weights`` with ``embed_dim != hidden_size``.
     """
 
     lowrank_keep_full = ("decoder",)
@@ -35,5 +47,6 @@ class LSTMLanguageModel(nn.Module):
         return torch.randint(self.vocab_size, (batch_size, self.seq_len), device=self.decoder.weight.device)
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """(N, T) int64 tokens -> (N, T, vocab_size) next-token logits."""
         hidden, _ = self.lstm(self.dropout(self.embedding(tokens)))
         return self.decoder(self.dropout(hidden))

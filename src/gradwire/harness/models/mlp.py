@@ -13,7 +13,17 @@ from torch import nn
 
 
 class WideMLP(nn.Module):
-    """``(batch, in_features)`` float32 -> ``(batch, num_classes)`` logits; ``depth`` hidden layers of ``width``."""
+    """``(batch, in_features)`` float32 -> ``(batch, num_classes)`` logits; ``depth`` hidden layers of ``width``.
+
+    Args:
+        in_features: input features (inputs of any shape are flattened per example).
+        width: units per hidden layer.
+        depth: hidden layers.
+        num_classes: logits per example.
+
+    Raises:
+        ValueError: a size below 1.
+    """
 
     def __init__(self, in_features: int = 256, width: int = 2048, depth: int = 2, num_classes: int = 10) -> None:
         super().__init__()
@@ -30,9 +40,11 @@ class WideMLP(nn.Module):
         self.in_features = in_features
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(batch, ...) float32, ``in_features`` values per example -> (batch, num_classes) logits."""
         return self.net(inputs.reshape(inputs.shape[0], -1))
 
     def example_input(self, batch_size: int = 2) -> torch.Tensor:
+        """Random (batch_size, in_features) inputs on the model's device."""
         return torch.randn(batch_size, self.in_features, device=next(self.parameters()).device)
 
     #: the hybrid policy of :func:`gradwire.lowrank.factorize`: keep the input layer full rank

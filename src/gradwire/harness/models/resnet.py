@@ -22,6 +22,7 @@ class BasicBlock(nn.Module):
                                           nn.BatchNorm2d(planes))
 
     def forward(self, x: Tensor) -> Tensor:
+        """(N, in_planes, H, W) -> (N, planes, H / stride, W / stride)."""
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + self.shortcut(x))
@@ -35,11 +36,18 @@ class ResNet18(nn.Module):
     stem conv. ``stem_bn=True`` adds it, giving the common CIFAR ResNet-18 (11,173,962).
     Hybrid policy (Pufferfish): the stem conv, the first BasicBlock, the 1x1 shortcut convs and
     the classifier stay full-rank.
+
+    Args:
+        num_classes: logits per example.
+        in_channels: image channels.
+        stem_bn: a BatchNorm after the stem conv (the common CIFAR variant).
+        image_size: side of :meth:`example_input`'s images.
     """
 
     lowrank_keep_full = ("conv1", "layer1.0", "*.shortcut.*", "fc")
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, stem_bn: bool = False, image_size: int = 32) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, stem_bn: bool = False,
+                 image_size: int = 32) -> None:
         super().__init__()
         self.input_shape = (in_channels, image_size, image_size)
         self.conv1 = nn.Conv2d(in_channels, 64, 3, padding=1, bias=False)
@@ -56,6 +64,7 @@ class ResNet18(nn.Module):
         return torch.randn(batch_size, *self.input_shape, device=self.fc.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
+        """(N, in_channels, H, W) float32 images -> (N, num_classes) logits."""
         x = F.relu(self.bn1(self.conv1(x)))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))

@@ -13,6 +13,17 @@ class TransformerClassifier(nn.Module):
     Token + learned position embeddings, ``num_layers`` post-norm encoder layers (batch
     first), a linear head. Hybrid policy (Pufferfish keeps the first encoder layer): the first
     layer and the head stay full-rank; later layers' attention and FFN are factorized.
+
+    Args:
+        vocab_size: token ids.
+        num_classes: logits per sequence.
+        d_model: model width.
+        nhead: attention heads.
+        num_layers: encoder layers.
+        dim_feedforward: FFN width.
+        dropout: as ``nn.TransformerEncoderLayer``'s.
+        max_len: the longest sequence (learned positions).
+        seq_len: length of :meth:`example_input`'s sequences (at most ``max_len``).
     """
 
     lowrank_keep_full = ("encoder.layers.0", "head")
@@ -33,6 +44,7 @@ class TransformerClassifier(nn.Module):
         return torch.randint(self.vocab_size, (batch_size, self.seq_len), device=self.head.weight.device)
 
     def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """(N, T) int64 tokens and an optional (N, T) bool padding mask -> (N, num_classes) logits."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.encoder(self.embedding(tokens) + self.position(positions), src_key_padding_mask=padding_mask)
         if padding_mask is None:
