@@ -76,16 +76,8 @@ class SimulatedDiLoCo:
                                       overlap_steps=overlap_steps, feedback_decay=feedback_decay,
                                       merge_alpha=merge_alpha)
         self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
-        if self.config.collective == "sparse-allreduce" or self.config.hierarchy is not None:
-            raise ValueError("the simulator replays dense, allgather, allreduce and quantize outer exchanges; "
-                             f"collective={self.config.collective!r} / hierarchy={self.config.hierarchy!r} needs "
-                             "real ranks (gradwire train)")
         self.workers, self.total_steps = workers, total_steps
-        self.sparsifier = self.config.build_sparsifier()
-        self.feedback = [ErrorFeedback() if self.config.error_feedback else None for _ in range(workers)]
-        self.selection = [Selection(self.sparsifier, feedback, self.config.scope, ExchangeStats())
-                          if self.sparsifier is not None else None for feedback in self.feedback]
-        self.frames = FrameSizes(headroom=FRAME_HEADROOM + count_slack(self.sparsifier))
+        self.exchange = SimulatedExchange(self.config, workers)
         self.outer: list[OuterState] = []
         self.deltas: list[list[Tensor]] = []
         self.keys: list[list[Any]] = []
@@ -178,11 +170,11 @@ class SimulatedDiLoCo:
             for worker, state in enumerate(self.outer):
                 members, offsets = state.fragments[fragment], state.offsets[fragment]
                 delta = state.pseudo_gradient(fragment, self.deltas[worker][fragment])
-                feedback_input(delta, self.feedback[worker], self.local.feedback_decay, members, offsets,
+                feedback_input(delta, self.exchange.feedback[worker], self.local.feedback_decay, members, offsets,
                                self.keys[worker])
                 groups.append(fragment_group(delta, state.parameters, members, offsets, self.keys[worker],
                                              self.tensor_ids, float(self.workers)))
-            result, nbytes = self._exchange(groups)
+            result, nbytes = self.exchange.average(groups, self.rounds)
             averaged.append(result)
             sent += nbytes
         buffers = None
@@ -217,14 +209,45 @@ class SimulatedDiLoCo:
                         position += buffer.numel()
         self.outer_steps += 1
 
-    # ------------------------------------------------------------------ the strategies, across workers
-    def _exchange(self, groups: list[Group]) -> tuple[Tensor, float]:
-        """The averaged Δ̂ of one fragment (what every rank writes) and the bytes one worker sends."""
+
+
+class SimulatedExchange:
+    """One group per worker in, the average every rank writes out: the core's strategies replayed
+    across W workers in one process (the module docstring says how they are kept the same).
+
+    Args:
+        config: the exchange's options; ``collective="auto"`` runs the AllGather (or the shared
+            support's AllReduce), ``"sparse-allreduce"`` and ``hierarchy`` are refused.
+        workers: W; worker w's residuals live in ``feedback[w]``.
+
+    Raises:
+        ValueError: an exchange the simulator does not replay.
+    """
+
+    def __init__(self, config: ExchangeConfig, workers: int) -> None:
+        if config.collective == "sparse-allreduce" or config.hierarchy is not None:
+            raise ValueError("the simulator replays dense, allgather, allreduce and quantize exchanges; "
+                             f"collective={config.collective!r} / hierarchy={config.hierarchy!r} needs "
+                             "real ranks (gradwire train)")
+        self.config, self.workers = config, workers
+        self.sparsifier = config.build_sparsifier()
+        self.feedback = [ErrorFeedback() if config.error_feedback else None for _ in range(workers)]
+        self.selection = [Selection(self.sparsifier, feedback, config.scope, ExchangeStats())
+                          if self.sparsifier is not None else None for feedback in self.feedback]
+        self.frames = FrameSizes(headroom=FRAME_HEADROOM + count_slack(self.sparsifier))
+
+    def average(self, groups: list[Group], step: int) -> tuple[Tensor, float]:
+        """The averaged result of ``groups`` (worker w's is ``groups[w]``; flat float32, what every
+        rank writes) and the bytes one worker sends; error feedback updated.
+
+        Raises:
+            FloatingPointError: some worker's input holds NaN/Inf.
+        """
         config, p = self.config, self.workers
         for group in groups:
             check_entries(group)
             if not group.finite:
-                raise FloatingPointError(f"NaN or Inf in a worker's pseudo-gradient at outer round {self.rounds}")
+                raise FloatingPointError(f"NaN or Inf in a worker's input at step {step}")
         numel = groups[0].numel
         if config.quantize is not None:
             return self._quantized(groups)
@@ -234,7 +257,7 @@ class SimulatedDiLoCo:
                 total += group.flat_gradient()
             return total.div_(p), ring_allreduce_bytes(numel, 4, p)
         for worker, group in enumerate(groups):
-            self.selection[worker].run(group, self.rounds)
+            self.selection[worker].run(group, step)
         shared = self.sparsifier.shared_support and (config.collective == "allreduce" or (
             config.collective == "auto" and config.value_codec.name in CAST_VALUE_CODECS))
         if shared:
@@ -327,3 +350,41 @@ class SimulatedDiLoCo:
                 if not entry.unused:
                     feedback.replace(entry.key, residual[entry.offset: entry.offset + entry.numel].clone())
         return applied.reshape(-1)[:numel].div_(p), 2.0 * (p - 1) * quantized_bytes(chunk, bits, block)
+
+
+class SimulatedHook:
+    """A per-step compressed gradient average over the simulator's workers (what the DDP hook with
+    these options does every step), as ``simulate``'s ``reduce``; ``bytes_sent`` as one worker sends.
+
+    Args:
+        workers: W.
+        **options: the hook's options (:class:`gradwire.CommHookState`).
+    """
+
+    def __init__(self, workers: int, **options: Any) -> None:
+        self.config = ExchangeConfig(**options)
+        self.exchange = SimulatedExchange(self.config, workers)
+        self.workers, self.step, self.bytes_sent = workers, 0, 0.0
+        self._buffers: list[Tensor] = []
+
+    def reduce(self, grads: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+        numels = [g.numel() for g in grads[0]]
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        if not self._buffers:
+            self._buffers = [torch.zeros(sum(numels)) for _ in grads]
+        keys = list(range(len(numels)))
+        groups = []
+        for worker, own in enumerate(grads):
+            buffer = self._buffers[worker]
+            for gradient, offset, numel in zip(own, offsets, numels):
+                buffer[offset: offset + numel].copy_(gradient.reshape(-1))
+            # residuals are keyed per worker by parameter index (each worker has its own feedback)
+            groups.append(fragment_group(buffer, list(own), keys, offsets, keys, keys, float(self.workers)))
+        if self.step < self.config.warmup_steps:
+            averaged = torch.stack([g.flat_gradient() for g in groups]).mean(dim=0)
+            nbytes = ring_allreduce_bytes(sum(numels), 4, self.workers)
+        else:
+            averaged, nbytes = self.exchange.average(groups, self.step)
+        self.step += 1
+        self.bytes_sent += nbytes
+        return [averaged[o: o + n].view_as(g) for o, n, g in zip(offsets, numels, grads[0])]
