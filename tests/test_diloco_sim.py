@@ -26,6 +26,8 @@ CASES = {  # name -> (world size, DiLoCo options)
                            "value_codec": "qsgd-ans", "codec_options": {"rounding": "nearest"}}),
     "decay-fragments-overlap": (3, {"compressor": "topk", "density": 0.1, "collective": "allgather",
                                     "feedback_decay": 0.9, "fragments": 2, "overlap_steps": 1}),
+    "unsent-model": (3, {"compressor": "topk", "density": 0.1, "collective": "allgather", "unsent": "model"}),
+    "unsent-model-int4-overlap": (3, {"quantize": "int4", "unsent": "model", "overlap_steps": 2}),
     "int8": (3, {"quantize": "int8"}),
     "int4": (3, {"quantize": "int4", "quantize_block": 16, "fragments": 2}),
     "randomblock": (2, {"compressor": "randomblock", "density": 0.25, "collective": "allreduce"}),

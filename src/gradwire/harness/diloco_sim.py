@@ -45,7 +45,7 @@ from ..exchange import FRAME_HEADER_BYTES, ring_allreduce_bytes
 from ..exchange.blockquant import quantized_bytes, roundtrip
 from ..local_steps.fragments import assign_fragments, fragment_due, layers_of
 from ..local_steps.options import LocalStepsConfig
-from ..local_steps.outer import OuterState, feedback_input, fragment_group, sgd_factory
+from ..local_steps.outer import OuterState, feedback_input, fragment_group, sgd_factory, unsent_to_model
 from .simulate import exact_mean
 
 _WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -70,11 +70,11 @@ class SimulatedDiLoCo:
     def __init__(self, workers: int, total_steps: int, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, feedback_decay: float = 1.0, merge_alpha: float = 0.5,
-                 compressor: str = "none", **options: Any) -> None:
+                 unsent: str = "residual", compressor: str = "none", **options: Any) -> None:
         self.local = LocalStepsConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                       nesterov=nesterov, warmup_steps=warmup_steps, fragments=fragments,
                                       overlap_steps=overlap_steps, feedback_decay=feedback_decay,
-                                      merge_alpha=merge_alpha)
+                                      merge_alpha=merge_alpha, unsent=unsent)
         self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
         self.workers, self.total_steps = workers, total_steps
         self.exchange = SimulatedExchange(self.config, workers)
@@ -129,7 +129,7 @@ class SimulatedDiLoCo:
                 self._merge()
             if step > self.local.warmup_steps and not self._in_sync():
                 self._start(list(range(self.local.fragments)), 0)
-                self._merge(alpha=0.0)
+                self._merge(alpha=0.0, into_model=False)
 
     def eval_model(self, models: Sequence[nn.Module]) -> nn.Module:
         """A copy of worker 0's model holding the global parameters θ (what every rank agrees on)."""
@@ -159,8 +159,8 @@ class SimulatedDiLoCo:
         self.tensor_ids = [every.index(n) for n, _ in named]
 
     def _in_sync(self) -> bool:
-        return self.local.fragments == 1 and self.local.overlap_steps == 0 and \
-            (self.steps_done - self.origin) % self.local.sync_every == 0
+        return self.local.fragments == 1 and self.local.overlap_steps == 0 and self.local.unsent == "residual" \
+            and (self.steps_done - self.origin) % self.local.sync_every == 0
 
     def _start(self, fragments: list[int], finish_at: int) -> None:
         averaged = []
@@ -191,16 +191,21 @@ class SimulatedDiLoCo:
         self.bytes_peak_sync = max(self.bytes_peak_sync, sent)
         self._pending = (fragments, finish_at, averaged, buffers)
 
-    def _merge(self, alpha: Optional[float] = None) -> None:
+    def _merge(self, alpha: Optional[float] = None, into_model: bool = True) -> None:
         assert self._pending is not None
         fragments, _, averaged, buffers = self._pending
         self._pending = None
         if alpha is None:
             alpha = self.local.merge_alpha if self.local.overlap_steps else 0.0
+        model_holds = into_model and self.local.unsent == "model"
         for worker, state in enumerate(self.outer):
             for fragment, result in zip(fragments, averaged):
                 state.apply(fragment, result.clone())
-                state.merge(fragment, alpha)
+                if model_holds:
+                    unsent_to_model(state, fragment, self.exchange.feedback[worker], self.keys[worker], alpha,
+                                    self.local.feedback_decay)
+                else:
+                    state.merge(fragment, alpha)
             if buffers is not None:
                 with torch.no_grad():
                     position = 0

@@ -43,7 +43,7 @@ from ..exchange.inflight import Launched
 from ..tensors import GradientExchange
 from .fragments import assign_fragments, fragment_due, layers_of
 from .options import LocalStepsConfig
-from .outer import OuterOptimizerFactory, OuterState, feedback_input, fragment_group, sgd_factory
+from .outer import OuterOptimizerFactory, OuterState, feedback_input, fragment_group, sgd_factory, unsent_to_model
 
 FORMAT = "gradwire.diloco/1"
 
@@ -99,6 +99,11 @@ class DiLoCo:
         feedback_decay: β of SparseLoCo's rule ``e <- β e + Δ`` (1: plain error feedback).
         merge_alpha: α of the overlap merge ``θ_local <- α θ_local + (1 - α) θ`` (Streaming DiLoCo's
             mixing; used only with ``overlap_steps`` > 0).
+        unsent: where what a compressed sync did not send waits: ``"residual"`` (the core's
+            error-feedback memory; every rank restarts from θ) or ``"model"`` (each rank restarts
+            from ``θ - e``, its own unsent part ``e``, and the residual is emptied: the next Δ carries
+            it again, and an inner optimizer never re-learns a step the model already took).
+            ``synchronize()`` always leaves θ in the model (and ``e`` in the residual).
         **options: further options of the core's :class:`~gradwire.core.config.ExchangeConfig`
             (``codec_options``, ``scope``, ``nonfinite``, ``collective_timeout``, ``quantize_block``, ...).
 
@@ -114,7 +119,7 @@ class DiLoCo:
                  error_feedback: bool = True, warmup_steps: int = 0, fragments: int = 1, overlap_steps: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None, *,
                  outer_optimizer: Optional[OuterOptimizerFactory] = None, feedback_decay: float = 1.0,
-                 merge_alpha: float = 0.5, **options: Any) -> None:
+                 merge_alpha: float = 0.5, unsent: str = "residual", **options: Any) -> None:
         if "warmup_steps" in options or "config" in options:
             raise ValueError("DiLoCo takes the exchange's options as keywords; warmup_steps is DiLoCo's own")
         self.local = LocalStepsConfig(
@@ -122,10 +127,13 @@ class DiLoCo:
             outer_optimizer=None if outer_optimizer is None else getattr(outer_optimizer, "__qualname__",
                                                                          type(outer_optimizer).__name__),
             warmup_steps=warmup_steps, fragments=fragments, overlap_steps=overlap_steps,
-            feedback_decay=feedback_decay, merge_alpha=merge_alpha)
+            feedback_decay=feedback_decay, merge_alpha=merge_alpha, unsent=unsent)
         self.config = ExchangeConfig(compressor=compressor, density=density, value_codec=value_codec,
                                      index_codec=index_codec, collective=collective, quantize=quantize,
                                      error_feedback=error_feedback, **options)
+        if unsent == "model" and self.config.momentum_correction is not None:
+            raise ValueError("unsent='model' keeps what a sync did not send in the model; momentum_correction's "
+                             "velocities cannot move there: use error_feedback")
         self.model = model
         module = model.module if isinstance(model, DistributedDataParallel) else model
         every = list(module.named_parameters())
@@ -188,7 +196,7 @@ class DiLoCo:
         if self._in_flight is not None:
             self._finish(self._in_flight)
         if self._dirty:
-            self._finish(self._start(list(range(self.local.fragments)), finish_at=0), alpha=0.0)
+            self._finish(self._start(list(range(self.local.fragments)), finish_at=0), alpha=0.0, into_model=False)
         self.origin = self.inner_steps
 
     def stats(self) -> dict[str, float]:
@@ -300,9 +308,10 @@ class DiLoCo:
         self._counters["bytes_peak_sync"] = max(self._counters["bytes_peak_sync"], sync.bytes_sent)
         self._counters["seconds_sync"] += time.perf_counter() - started
 
-    def _finish(self, sync: _Sync, alpha: Optional[float] = None) -> None:
+    def _finish(self, sync: _Sync, alpha: Optional[float] = None, into_model: bool = True) -> None:
         """Complete ``sync`` if needed, then act on its verdict: outer step and merge (apply), back to
-        θ (skip), or raise the round's typed error (every rank alike; θ unchanged)."""
+        θ (skip), or raise the round's typed error (every rank alike; θ unchanged). ``into_model``:
+        with ``unsent="model"``, the residual moves into the model (False: θ exactly, residual kept)."""
         self._complete(sync)
         started = time.perf_counter()
         self._in_flight = None
@@ -319,13 +328,19 @@ class DiLoCo:
                 self.outer.merge(fragment, 0.0)
         else:
             assert verdict.action == APPLY
+            model_holds = into_model and self.local.unsent == "model"
             for fragment in sync.fragments:
                 self.outer.apply(fragment, self._deltas[fragment])
-                self.outer.merge(fragment, alpha)
+                if model_holds:
+                    unsent_to_model(self.outer, fragment, self.pipeline.feedback, self._keys, alpha,
+                                    self.local.feedback_decay)
+                else:
+                    self.outer.merge(fragment, alpha)
             self.outer_steps += 1
             if sync.buffer_flat is not None:
                 self._write_buffers(sync.buffer_flat)
-        if alpha == 0.0 and len(sync.fragments) == self.local.fragments:
+        if alpha == 0.0 and len(sync.fragments) == self.local.fragments and not (
+                into_model and self.local.unsent == "model" and verdict.action == APPLY):
             self._dirty = False
         self._counters["seconds_sync"] += time.perf_counter() - started
 

@@ -13,7 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import is_integer, is_real
+from ..errors import check_choice, is_integer, is_real
+
+#: where what a sync did not send waits: the core's residual, or the rank's own model
+UNSENT = ("residual", "model")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class LocalStepsConfig:
     overlap_steps: int = 0
     feedback_decay: float = 1.0
     merge_alpha: float = 0.5
+    unsent: str = "residual"
 
     def __post_init__(self) -> None:
         for name, low in (("sync_every", 1), ("fragments", 1), ("warmup_steps", 0), ("overlap_steps", 0)):
@@ -57,6 +61,7 @@ class LocalStepsConfig:
                 raise ValueError(f"outer_lr={self.outer_lr!r} must be a number > 0")
             if not (is_real(self.outer_momentum) and 0 <= self.outer_momentum < 1):
                 raise ValueError(f"outer_momentum={self.outer_momentum!r} must be a number in [0, 1)")
+        check_choice("unsent", self.unsent, UNSENT)
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"nesterov={self.nesterov!r} must be True or False")
 

@@ -13,7 +13,10 @@ fragment f is (docs/local-steps.md tells the whole rule):
    or the simulator's in-process twin) averages the compressed Δ̂ in place;
 4. :meth:`OuterState.apply`: the outer optimizer steps on θ_f with the average as its gradient;
 5. :meth:`OuterState.merge`: ``θ_local,f <- α θ_local,f + (1 - α) θ_f`` (α = 0 without overlap:
-   every worker restarts from the global parameters).
+   every worker restarts from the global parameters); with ``unsent="model"``,
+   :func:`unsent_to_model` merges towards ``θ_f - β e`` instead, ``e`` being this rank's residual
+   of the sync (what of its Δ the others did not receive), and empties the residual: the model
+   now holds what was not sent, so its next Δ carries it again.
 
 Every rank holds the same θ and the same outer optimizer state, so every rank applying the same
 average ends with bit-identical global parameters.
@@ -116,14 +119,25 @@ class OuterState:
             view.grad = None
 
     @torch.no_grad()
-    def merge(self, fragment: int, alpha: float = 0.0) -> None:
-        """Step 5: ``θ_local,f <- α θ_local,f + (1 - α) θ_f`` (α = 0: a copy of θ_f)."""
-        for index, view in zip(self.fragments[fragment], self.global_views[fragment]):
+    def merge(self, fragment: int, alpha: float = 0.0,
+              held: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+        """Step 5: ``θ_local,f <- α θ_local,f + (1 - α) (θ_f - held)`` (α = 0: a copy of the target).
+
+        Args:
+            fragment: f.
+            alpha: the mixing weight of the local parameters, in [0, 1].
+            held: per parameter of the fragment, a flat float32 tensor to keep back from θ (None:
+                nothing), as :func:`unsent_to_model` passes this rank's residuals.
+        """
+        for position, (index, view) in enumerate(zip(self.fragments[fragment], self.global_views[fragment])):
             local = self.parameters[index]
+            target = view
+            if held is not None and held[position] is not None:
+                target = view - held[position].view(view.shape)  # type: ignore[union-attr]
             if alpha == 0.0:
-                local.copy_(view)
+                local.copy_(target)
             else:
-                local.copy_(torch.lerp(view, local.to(torch.float32), alpha))
+                local.copy_(torch.lerp(target, local.to(torch.float32), alpha))
 
     def state_dict(self, names: Sequence[str]) -> dict[str, Any]:
         """θ by parameter name (CPU float32 copies) and the outer optimizer's state."""
@@ -165,3 +179,27 @@ def feedback_input(delta: torch.Tensor, feedback: Optional[ErrorFeedback], decay
         residual = feedback.residual(keys[index])
         if residual is not None:
             delta[offset: offset + residual.numel()].add_(residual.to(delta.dtype), alpha=-(1.0 - decay))
+
+
+def unsent_to_model(state: OuterState, fragment: int, feedback: Optional[ErrorFeedback], keys: Sequence[Hashable],
+                    alpha: float, decay: float) -> None:
+    """Step 5 with ``unsent="model"``: ``θ_local,f <- α θ_local,f + (1 - α) (θ_f - β e)`` per parameter,
+    ``e`` its residual after the sync, which is then dropped from ``feedback``: the model holds it.
+
+    Args:
+        state: this rank's :class:`OuterState` (after :meth:`OuterState.apply`).
+        fragment: f.
+        feedback: this rank's error-feedback memory (None: nothing held back, a plain merge).
+        keys: the residual key of each of ``state.parameters``.
+        alpha: the overlap's mixing weight (0 without overlap).
+        decay: β, the share of the residual the model keeps (1: all of it).
+    """
+    members = state.fragments[fragment]
+    held: list[Optional[torch.Tensor]] = []
+    for index in members:
+        residual = feedback.residual(keys[index]) if feedback is not None else None
+        held.append(None if residual is None else residual.to(torch.float32) * decay)
+    state.merge(fragment, alpha, held)
+    if feedback is not None:
+        for index in members:
+            feedback.clear(keys[index])
