@@ -11,8 +11,8 @@ docs/local-steps.md tells the rules, the commands and the measured results.
 
 from .diloco import DiLoCo
 from .fragments import assign_fragments, fragment_due, layers_of
-from .options import LocalStepsConfig
+from .options import LocalStepsConfig, split_options
 from .outer import OuterState, sgd_factory
 
 __all__ = ["DiLoCo", "LocalStepsConfig", "OuterState", "assign_fragments", "fragment_due", "layers_of",
-           "sgd_factory"]
+           "sgd_factory", "split_options"]

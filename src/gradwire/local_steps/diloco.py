@@ -120,8 +120,8 @@ class DiLoCo:
                  process_group: Optional[dist.ProcessGroup] = None, *,
                  outer_optimizer: Optional[OuterOptimizerFactory] = None, feedback_decay: float = 1.0,
                  merge_alpha: float = 0.5, unsent: str = "residual", **options: Any) -> None:
-        if "warmup_steps" in options or "config" in options:
-            raise ValueError("DiLoCo takes the exchange's options as keywords; warmup_steps is DiLoCo's own")
+        if "config" in options:
+            raise ValueError("DiLoCo takes the exchange's options as keywords, not config=")
         self.local = LocalStepsConfig(
             sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
             outer_optimizer=None if outer_optimizer is None else getattr(outer_optimizer, "__qualname__",

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..core.config import ExchangeConfig
 from ..errors import check_choice, is_integer, is_real
 
 #: where what a sync did not send waits: the core's residual, or the rank's own model
@@ -73,3 +74,23 @@ class LocalStepsConfig:
     def describe(self) -> str:
         """Canonical ``name=value`` text of every option (all must match across ranks)."""
         return " ".join(f"{field.name}={getattr(self, field.name)!r}" for field in dataclasses.fields(self))
+
+
+#: the keywords of DiLoCo that are local-step options (the rest go to the exchange's config)
+LOCAL_KEYS = frozenset(field.name for field in dataclasses.fields(LocalStepsConfig)) - {"outer_optimizer"}
+#: the exchange's defaults for an outer step: a dense float32 AllReduce
+OUTER_EXCHANGE_DEFAULTS = {"compressor": "none", "value_codec": "fp32"}
+
+
+def split_options(**options: object) -> tuple[LocalStepsConfig, ExchangeConfig]:
+    """DiLoCo's keyword options (without model and optimizers), validated: its own and the exchange's.
+
+    Raises:
+        ValueError: an invalid or missing option (``sync_every`` is required), naming it.
+    """
+    if "sync_every" not in options:
+        raise ValueError("sync_every is required (inner steps between two syncs of a parameter)")
+    local = {key: value for key, value in options.items() if key in LOCAL_KEYS}
+    exchange = {key: value for key, value in options.items() if key not in LOCAL_KEYS}
+    config = LocalStepsConfig(**local)  # type: ignore[arg-type]
+    return config, ExchangeConfig(**{**OUTER_EXCHANGE_DEFAULTS, **exchange})  # type: ignore[arg-type]
