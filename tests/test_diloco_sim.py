@@ -29,6 +29,7 @@ CASES = {  # name -> (world size, DiLoCo options)
     "unsent-model": (3, {"compressor": "topk", "density": 0.1, "collective": "allgather", "unsent": "model"}),
     "unsent-model-int4-overlap": (3, {"quantize": "int4", "unsent": "model", "overlap_steps": 2}),
     "int8": (3, {"quantize": "int8"}),
+    "int8-warmup": (3, {"quantize": "int8", "warmup_steps": 3, "warmup_quantize": "int8"}),
     "int4": (3, {"quantize": "int4", "quantize_block": 16, "fragments": 2}),
     "randomblock": (2, {"compressor": "randomblock", "density": 0.25, "collective": "allreduce"}),
 }

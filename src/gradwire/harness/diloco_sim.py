@@ -70,14 +70,17 @@ class SimulatedDiLoCo:
     def __init__(self, workers: int, total_steps: int, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, feedback_decay: float = 1.0, merge_alpha: float = 0.5,
-                 unsent: str = "residual", compressor: str = "none", **options: Any) -> None:
+                 unsent: str = "residual", warmup_quantize: Optional[str] = None, compressor: str = "none",
+                 **options: Any) -> None:
         self.local = LocalStepsConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                       nesterov=nesterov, warmup_steps=warmup_steps, fragments=fragments,
                                       overlap_steps=overlap_steps, feedback_decay=feedback_decay,
-                                      merge_alpha=merge_alpha, unsent=unsent)
+                                      merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize)
         self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
         self.workers, self.total_steps = workers, total_steps
         self.exchange = SimulatedExchange(self.config, workers)
+        #: the warm-up's gradient average: DDP's exact mean, or the front-end's quantized GradientExchange
+        self.warmup = SimulatedHook(workers, compressor="none", quantize=warmup_quantize) if warmup_quantize else None
         self.outer: list[OuterState] = []
         self.deltas: list[list[Tensor]] = []
         self.keys: list[list[Any]] = []
@@ -100,6 +103,11 @@ class SimulatedDiLoCo:
                 raise ValueError("SimulatedDiLoCo: bind(models) before the first step (θ is the initial parameters)")
             self.bind(models)
         if self.steps_done < self.local.warmup_steps:
+            if self.warmup is not None:
+                before = self.warmup.bytes_sent
+                averaged = self.warmup.reduce(grads)
+                self.bytes_sent += self.warmup.bytes_sent - before
+                return averaged
             numel = sum(g.numel() for g in grads[0])
             self.bytes_sent += ring_allreduce_bytes(numel, 4, self.workers)
             return exact_mean(grads)
@@ -374,7 +382,14 @@ class SimulatedHook:
 
     def reduce(self, grads: Sequence[Sequence[Tensor]]) -> list[Tensor]:
         numels = [g.numel() for g in grads[0]]
-        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        # one bucket in reverse parameter order, as DDP and GradientExchange lay gradients out (the
+        # quantized exchange's blocks depend on it); a model under 25 MiB is one bucket there too
+        order = list(reversed(range(len(numels))))
+        offsets = [0] * len(numels)
+        position = 0
+        for index in order:
+            offsets[index] = position
+            position += numels[index]
         if not self._buffers:
             self._buffers = [torch.zeros(sum(numels)) for _ in grads]
         keys = list(range(len(numels)))
@@ -384,7 +399,8 @@ class SimulatedHook:
             for gradient, offset, numel in zip(own, offsets, numels):
                 buffer[offset: offset + numel].copy_(gradient.reshape(-1))
             # residuals are keyed per worker by parameter index (each worker has its own feedback)
-            groups.append(fragment_group(buffer, list(own), keys, offsets, keys, keys, float(self.workers)))
+            groups.append(fragment_group(buffer, list(own), order, [offsets[i] for i in order], keys, keys,
+                                         float(self.workers)))
         if self.step < self.config.warmup_steps:
             averaged = torch.stack([g.flat_gradient() for g in groups]).mean(dim=0)
             nbytes = ring_allreduce_bytes(sum(numels), 4, self.workers)

@@ -56,7 +56,7 @@ PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": 
 #: ``diloco:sync_every=16,...``: local steps; a communication part joined by ``+`` compresses the outer step
 DILOCO_KEYS = {"sync_every": int, "outer_lr": float, "outer_momentum": float, "nesterov": "bool",
                "warmup_steps": int, "fragments": int, "overlap": int, "decay": float, "merge_alpha": float,
-               "unsent": "unsent", "inner": "inner"}
+               "unsent": "unsent", "inner": "inner", "warmup_quantize": "warmup_quantize"}
 #: spec keys of ``diloco`` whose DiLoCo keyword differs
 _DILOCO_NAMES = {"overlap": "overlap_steps", "decay": "feedback_decay"}
 
@@ -114,7 +114,8 @@ class MethodSpec:
 
 def _kind_name(kind: Any) -> str:
     return {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node",
-            "unsent": "residual|model", "inner": "none|ddp (DDP inside each node)"}.get(kind, getattr(kind, "__name__", str(kind)))
+            "unsent": "residual|model", "inner": "none|ddp (DDP inside each node)",
+            "warmup_quantize": "int8|int4"}.get(kind, getattr(kind, "__name__", str(kind)))
 
 
 def spec_help(width: int = 100) -> str:
@@ -169,8 +170,9 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
             return raw.lower() in ("true", "1", "yes")
         if kind == "hierarchy":  # ranks per node, or "auto" (torchrun's LOCAL_WORLD_SIZE)
             return raw if raw == "auto" else int(raw)
-        if kind in ("unsent", "inner"):
-            if raw not in {"unsent": ("residual", "model"), "inner": ("none", "ddp")}[kind]:
+        if kind in ("unsent", "inner", "warmup_quantize"):
+            if raw not in {"unsent": ("residual", "model"), "inner": ("none", "ddp"),
+                           "warmup_quantize": ("int8", "int4")}[kind]:
                 raise ValueError(raw)
             return raw
         return kind(raw)

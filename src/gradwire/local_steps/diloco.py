@@ -104,6 +104,9 @@ class DiLoCo:
             from ``θ - e``, its own unsent part ``e``, and the residual is emptied: the next Δ carries
             it again, and an inner optimizer never re-learns a step the model already took).
             ``synchronize()`` always leaves θ in the model (and ``e`` in the residual).
+        warmup_quantize: the warm-up's gradient AllReduce in ``"int8"`` or ``"int4"`` blocks (with
+            error feedback, the core's ``quantize``) instead of float32: a synchronous warm-up at
+            about a quarter (an eighth) of DDP's bytes.
         **options: further options of the core's :class:`~gradwire.core.config.ExchangeConfig`
             (``codec_options``, ``scope``, ``nonfinite``, ``collective_timeout``, ``quantize_block``, ...).
 
@@ -119,7 +122,8 @@ class DiLoCo:
                  error_feedback: bool = True, warmup_steps: int = 0, fragments: int = 1, overlap_steps: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None, *,
                  outer_optimizer: Optional[OuterOptimizerFactory] = None, feedback_decay: float = 1.0,
-                 merge_alpha: float = 0.5, unsent: str = "residual", **options: Any) -> None:
+                 merge_alpha: float = 0.5, unsent: str = "residual", warmup_quantize: Optional[str] = None,
+                 **options: Any) -> None:
         if "config" in options:
             raise ValueError("DiLoCo takes the exchange's options as keywords, not config=")
         self.local = LocalStepsConfig(
@@ -127,7 +131,7 @@ class DiLoCo:
             outer_optimizer=None if outer_optimizer is None else getattr(outer_optimizer, "__qualname__",
                                                                          type(outer_optimizer).__name__),
             warmup_steps=warmup_steps, fragments=fragments, overlap_steps=overlap_steps,
-            feedback_decay=feedback_decay, merge_alpha=merge_alpha, unsent=unsent)
+            feedback_decay=feedback_decay, merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize)
         self.config = ExchangeConfig(compressor=compressor, density=density, value_codec=value_codec,
                                      index_codec=index_codec, collective=collective, quantize=quantize,
                                      error_feedback=error_feedback, **options)
@@ -154,7 +158,7 @@ class DiLoCo:
         # a collective on every rank: rank 0's parameters and buffers everywhere, as DDP does; it also
         # averages the warm-up's gradients
         self._warmup = GradientExchange(module, process_group, broadcast_parameters=True, compressor="none",
-                                        nonfinite=self.config.nonfinite,
+                                        quantize=warmup_quantize, nonfinite=self.config.nonfinite,
                                         collective_timeout=self.config.collective_timeout)
         check_same_on_all_ranks(self.describe(), process_group, timeout=self.config.collective_timeout)
         factory = outer_optimizer or sgd_factory(outer_lr, outer_momentum, nesterov)
@@ -382,7 +386,8 @@ class DiLoCo:
                 "counters": dict(self._counters), **self.outer.state_dict(self.names),
                 "exchange": self.pipeline.state_dict(names=dict(zip(self._keys, self.names)), specs=self._specs,
                                                      iteration=self.rounds),
-                "inner_optimizer": self.inner_optimizer.state_dict(), "pending": pending}
+                "inner_optimizer": self.inner_optimizer.state_dict(), "pending": pending,
+                "warmup_exchange": self._warmup.state_dict() if self.local.warmup_quantize else None}
 
     def load_state_dict(self, state: dict[str, Any], device: "torch.device | str | None" = None) -> None:
         """Restore :meth:`state_dict` output of this rank (tensors go to the parameters' device).
@@ -414,6 +419,8 @@ class DiLoCo:
         self.pipeline.load_state_dict(state["exchange"], names=keys, specs=self._specs, device=target)
         self.outer.load_state_dict(state, self.names)
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        if self.local.warmup_quantize and state.get("warmup_exchange") is not None:
+            self._warmup.load_state_dict(state["warmup_exchange"])
         for name in ("inner_steps", "origin", "outer_steps", "rounds", "skipped_outer_steps"):
             setattr(self, name, int(state[name]))
         self._dirty = bool(state["dirty"])

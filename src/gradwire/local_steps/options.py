@@ -40,6 +40,8 @@ class LocalStepsConfig:
     feedback_decay: float = 1.0
     merge_alpha: float = 0.5
     unsent: str = "residual"
+    #: the warm-up's gradient exchange: None (dense float32) or "int8" / "int4" (quantized, with error feedback)
+    warmup_quantize: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name, low in (("sync_every", 1), ("fragments", 1), ("warmup_steps", 0), ("overlap_steps", 0)):
@@ -63,6 +65,7 @@ class LocalStepsConfig:
             if not (is_real(self.outer_momentum) and 0 <= self.outer_momentum < 1):
                 raise ValueError(f"outer_momentum={self.outer_momentum!r} must be a number in [0, 1)")
         check_choice("unsent", self.unsent, UNSENT)
+        check_choice("warmup_quantize", self.warmup_quantize, (None, "int8", "int4"))
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"nesterov={self.nesterov!r} must be True or False")
 
