@@ -269,7 +269,8 @@ def worker_overlap(rank: int, world_size: int) -> dict:
             previous = [f.clone() for f in local.outer.global_flat]
         if local.outer_steps != outer_before:
             merged_at.append(local.inner_steps)
-            changed.append([i for i, (a, b) in enumerate(zip(previous, local.outer.global_flat)) if not torch.equal(a, b)])
+            changed.append([i for i, (a, b) in enumerate(zip(previous, local.outer.global_flat))
+                            if not torch.equal(a, b)])
             previous = [f.clone() for f in local.outer.global_flat]
     return {"merged_at": merged_at, "changed": changed, "global": _global(local),
             "model": _digest(list(model.parameters()))}

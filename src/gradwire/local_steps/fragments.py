@@ -44,7 +44,8 @@ def layers_of(named: list[tuple[str, torch.Tensor]]) -> list[Layer]:
     order: dict[str, list[int]] = {}
     for index, (name, _) in enumerate(named):
         order.setdefault(name.rpartition(".")[0], []).append(index)
-    return [Layer(module, tuple(indices), sum(named[i][1].numel() for i in indices)) for module, indices in order.items()]
+    return [Layer(module, tuple(indices), sum(named[i][1].numel() for i in indices))
+            for module, indices in order.items()]
 
 
 def assign_fragments(layers: list[Layer], fragments: int) -> list[list[int]]:

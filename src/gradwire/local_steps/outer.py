@@ -157,7 +157,8 @@ class OuterState:
 
 
 def fragment_group(delta: torch.Tensor, parameters: Sequence[torch.Tensor], members: Sequence[int],
-                   offsets: Sequence[int], keys: Sequence[Hashable], tensor_ids: Sequence[int], divisor: float) -> Group:
+                   offsets: Sequence[int], keys: Sequence[Hashable], tensor_ids: Sequence[int],
+                   divisor: float) -> Group:
     """The core's :class:`~gradwire.core.group.Group` over one fragment's flat Δ buffer: one entry per
     parameter (a view of ``delta``; residuals keyed by ``keys``), reduced to the mean (``divisor``)."""
     group = Group(BufferTarget([delta]), divisor=divisor)
