@@ -42,10 +42,17 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
     return sum(values) / len(values), (max(values) - min(values)) / 2
 
 
+def evaluations(record: dict[str, Any]) -> list[tuple[int, float]]:
+    """(step, held-out loss) of a run. Runs recorded before diloco_sim evaluated the warm-up's model
+    (commit "eval_model in the warm-up") show the initial θ inside the warm-up: those are left out."""
+    warmup = warmup_of(record)
+    return [(e["step"], e["held_out_loss"]) for e in record["evaluations"] if e["step"] == 0 or e["step"] >= warmup]
+
+
 def crossing(record: dict[str, Any], target: float) -> float:
     """The first step at which the held-out loss reaches ``target``, linearly interpolated between
     evaluations; NaN if it never does."""
-    points = [(e["step"], e["held_out_loss"]) for e in record["evaluations"]]
+    points = evaluations(record)
     for (s0, l0), (s1, l1) in zip(points, points[1:]):
         if l1 <= target:
             return s1 if l0 == l1 else s0 + (l0 - target) / (l0 - l1) * (s1 - s0)
@@ -54,7 +61,7 @@ def crossing(record: dict[str, Any], target: float) -> float:
 
 def loss_at(record: dict[str, Any], step: float) -> float:
     """The held-out loss at ``step`` (interpolated between evaluations; the last one beyond)."""
-    points = [(e["step"], e["held_out_loss"]) for e in record["evaluations"]]
+    points = evaluations(record)
     if step >= points[-1][0]:
         return points[-1][1]
     for (s0, l0), (s1, l1) in zip(points, points[1:]):

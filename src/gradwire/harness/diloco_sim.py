@@ -140,7 +140,10 @@ class SimulatedDiLoCo:
                 self._merge(alpha=0.0, into_model=False)
 
     def eval_model(self, models: Sequence[nn.Module]) -> nn.Module:
-        """A copy of worker 0's model holding the global parameters θ (what every rank agrees on)."""
+        """A copy of worker 0's model holding the global parameters θ (what every rank agrees on);
+        in the warm-up, worker 0's model itself (every worker's is the same, and θ is taken at its end)."""
+        if self.steps_done < self.local.warmup_steps or not self.outer:
+            return models[0]
         model = copy.deepcopy(models[0])
         if self.outer:
             copy_parameters = [p for p in model.parameters() if p.requires_grad]
