@@ -137,6 +137,26 @@ def test_one_rank_without_a_process_group() -> None:
     assert _digest(list(model.parameters())) == _global(local)
 
 
+def test_any_torch_optimizer_as_the_outer_one() -> None:
+    model = _model(norm=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    built = []
+
+    def adam(parameters):
+        built.append([tuple(p.shape) for p in parameters])
+        return torch.optim.Adam(parameters, lr=0.01)
+
+    local = DiLoCo(model, optimizer, sync_every=2, outer_optimizer=adam)
+    before = [v.detach().clone() for v in local.outer.global_views[0]]
+    for step in range(4):
+        _step(model, optimizer, 0, step)
+    assert built == [[tuple(p.shape) for p in model.parameters()]]  # float32 tensors shaped like the model's
+    assert isinstance(local.outer.optimizer, torch.optim.Adam) and local.outer_steps == 2
+    # Adam's first steps move every parameter by about lr, whatever the pseudo-gradient's scale
+    moved = [float((v.detach() - b).abs().max()) for v, b in zip(local.outer.global_views[0], before)]
+    assert all(0.005 < m < 0.03 for m in moved), moved
+
+
 # ------------------------------------------------------------------ ranks identical after every sync
 def worker_identical(rank: int, world_size: int, names: list[str]) -> dict:
     out = {}
