@@ -1,5 +1,5 @@
-"""gradwire in a plain DDP script and in a custom loop without DDP, on 2 CPU processes:
-``torchrun --nproc_per_node 2 examples/plain_loops.py``."""
+"""gradwire in a plain DDP script, in a custom loop without DDP, and with local steps (DiLoCo), on
+2 CPU processes: ``torchrun --nproc_per_node 2 examples/plain_loops.py``."""
 
 import os
 import sys
@@ -51,12 +51,35 @@ def custom_loop(steps: int = 5):
     return model, exchange
 
 
+def local_steps(steps: int = 8):
+    torch.manual_seed(dist.get_rank())  # different initial weights: DiLoCo starts from rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    # [readme: DiLoCo]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = gradwire.DiLoCo(model, optimizer, sync_every=4, compressor="topk", density=0.1,
+                            value_codec="qsgd-ans", index_codec="rice")  # copies rank 0's weights
+    for inputs, targets in data(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()  # every 4th step also averages the compressed pseudo-gradient: an outer step
+    local.synchronize()  # e.g. before evaluating: the model now holds the global parameters
+    torch.save(local.state_dict(), f"diloco-rank{dist.get_rank()}.pt")  # each rank its own
+    # [/readme]
+    return model, local
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    for run in (plain_ddp, custom_loop):
+    for run in (plain_ddp, custom_loop, local_steps):
         model, state = run()
         stats = state.stats()
-        if dist.get_rank() == 0:  # one line per loop: the ranks' prints would interleave
+        if dist.get_rank() != 0:  # one line per loop: the ranks' prints would interleave
+            continue
+        if run is local_steps:
+            print(f"gradwire {run.__name__}: {stats['inner_steps']} steps, {stats['outer_steps']} outer steps, "
+                  f"{stats['bytes_sent']:.0f} bytes sent instead of {stats['bytes_ddp_per_step'] * 8:.0f} (rank 0)",
+                  flush=True)
+        else:
             print(f"gradwire {run.__name__}: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
                   f"instead of {stats['total_bytes_dense']:.0f} (rank 0)", flush=True)
     # PyTorch itself can abort at interpreter exit after gloo collectives (pytorch PR #179291):

@@ -21,8 +21,8 @@ LAYERS = (
     ("commands", {"cli", "bench", "cluster"}),
 )
 SAME_LAYER = {("configurable", "errors"), ("lifetime", "errors"), ("hook", "ddp"), ("ddp", "fsdp"), ("tensors", "fsdp"),
-              ("integrations", "ddp"), ("integrations", "fsdp"), ("cli", "cluster"), ("bench", "cli"),
-              ("bench", "cluster")}
+              ("integrations", "ddp"), ("integrations", "fsdp"), ("local_steps", "tensors"), ("cli", "cluster"),
+              ("bench", "cli"), ("bench", "cluster")}
 RANK = {name: rank for rank, (_, names) in enumerate(LAYERS) for name in names}
 #: the package's facade (lazy re-exports) and entry point stand above every layer
 FACADE = {"__init__", "__main__"}

@@ -24,8 +24,8 @@ def test_readme_snippets_are_the_tested_examples() -> None:
     section = readme[readme.index("## Use it with"):]
     section = section[: section.index("\n## ", 3)]
     found = MARKER.findall(section)
-    assert {name for _, name, _ in found} >= {"plain DDP", "custom loop", "Lightning", "HF Trainer", "accelerate",
-                                              "torchrun"}
+    assert {name for _, name, _ in found} >= {"plain DDP", "custom loop", "DiLoCo", "Lightning", "HF Trainer",
+                                              "accelerate", "torchrun"}
     assert section.count("```") == 2 * len(found), "every code block in the section is a checked snippet"
     for path, name, code in found:
         assert code == region(ROOT / path, name), f"README snippet {name!r} differs from {path}"

@@ -23,6 +23,10 @@ def __getattr__(name: str):  # the core pulls in sparsify/exchange; load it on f
         from .core.config import ExchangeConfig
 
         return ExchangeConfig
+    if name == "DiLoCo":
+        from .local_steps import DiLoCo
+
+        return DiLoCo
     if name == "GradientExchange":
         from .tensors import GradientExchange
 
@@ -38,6 +42,7 @@ __all__ = [
     "CollectiveError",
     "CommHookState",
     "DecodeError",
+    "DiLoCo",
     "DivergenceError",
     "ExchangeConfig",
     "GradientExchange",

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from gradwire.harness.methods import parse_method
+from gradwire.harness.training import file_slug
 
 
 def test_method_specs_parse() -> None:
@@ -26,6 +27,13 @@ def test_method_specs_parse() -> None:
     assert parse_method("qsgd-free:k=3".replace("qsgd-free", "randomk")).hook_options()["k"] == 3
     assert parse_method("topk:values=qsgd,bits=4").hook_options()["codec_options"] == {"bits": 4}
     assert parse_method("torch-powersgd:rank=4").communication.options == {"rank": 4}
+    local = parse_method("pufferfish:rank_ratio=0.5+diloco:sync_every=32,overlap=1,decay=0.9,unsent=model"
+                         "+topk:density=0.03,values=qsgd-ans")
+    assert local.pufferfish.options == {"rank_ratio": 0.5}
+    assert local.diloco_options() == {"sync_every": 32, "overlap_steps": 1, "feedback_decay": 0.9, "unsent": "model",
+                                      "compressor": "topk", "density": 0.03, "value_codec": "qsgd-ans"}
+    assert parse_method("diloco:sync_every=8").diloco_options() == {"sync_every": 8}  # dense outer steps
+    assert parse_method("diloco:sync_every=8+quantize:bits=4").diloco_options()["quantize"] == "int4"
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -35,7 +43,12 @@ def test_method_specs_parse() -> None:
     ("topk:colour=3", "topk has no option 'colour'; allowed: density"),
     ("topk:density=abc", "density='abc' is not a valid float"),
     ("torch-powersgd:density=0.1", "allowed: rank, start_iter"),
-    ("topk+randomk", "at most one pufferfish part with one communication"),
+    ("topk+randomk", "at most one pufferfish part, one diloco part and one communication"),
+    ("diloco:outer_lr=0.5", "diloco needs sync_every=N"),
+    ("diloco:sync_every=4+torch-fp16", "diloco's outer step takes a gradwire compressor or quantize part"),
+    ("diloco:sync_every=4+quantize:warmup_steps=3", "warmup_steps belongs to the diloco part"),
+    ("diloco:sync_every=4,unsent=both", "unsent='both' is not a valid residual|model"),
+    ("diloco:sync_every=4+diloco:sync_every=8", "one diloco part"),
     ("topk:ef=maybe", "not a valid true/false"),
 ])
 def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
@@ -132,6 +145,71 @@ def test_the_language_model_trains_with_adamw_and_reports_held_out_loss(tmp_path
     header = next(line for line in result.stdout.splitlines() if line.startswith("method"))
     assert "held-out nats/byte ↓" in header and "test acc" not in header
     assert fingerprint in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_train_runs_local_steps_methods_and_reports_them_per_inner_step(tmp_path) -> None:
+    methods = ["allreduce", "diloco:sync_every=2,warmup_steps=2",
+               "diloco:sync_every=4,unsent=model+topk:density=0.1,values=qsgd-ans,indices=rice,collective=allgather",
+               "diloco:sync_every=4,fragments=2,overlap=1+quantize:bits=8",
+               "pufferfish:rank_ratio=0.25,warmup_epochs=1+diloco:sync_every=2"]
+    summaries, _ = _train(tmp_path, "--epochs", "2", "--steps-per-epoch", "4",
+                          *[arg for m in methods for arg in ("--method", m)])
+    by_method = {s["method"]: s for s in summaries}
+    dense = by_method["allreduce"]["bytes_per_step"]
+    for method in methods[1:]:
+        summary = by_method[method]
+        assert summary["status"] == "ok" and summary["steps"] == 8 and not math.isnan(summary["test_accuracy"])
+        assert summary["per_step"] == "mean" and summary["local_steps"]["inner_steps"] >= 4
+    assert by_method[methods[1]]["local_steps"]["outer_steps"] == 3  # 2 synchronous steps, then every 2nd
+    # 2 of 8 steps are DDP's AllReduce, 3 syncs of everything: (2 + 3) / 8 of DDP's bytes
+    assert by_method[methods[1]]["bytes_per_step"] == pytest.approx(dense * 5 / 8, rel=0.02)
+    assert by_method[methods[2]]["bytes_per_step"] < dense / 40
+    # fragments: a sync every 2 steps, merged 1 step later (3 in the loop); at the end the one in flight
+    # is merged and every fragment syncs once more before the evaluation
+    assert by_method[methods[3]]["local_steps"]["outer_steps"] == 5
+    puffer = by_method[methods[4]]
+    assert puffer["parameters"] < by_method["allreduce"]["parameters"] and puffer["local_steps"]["outer_steps"] > 0
+    metrics = [json.loads(line) for line in
+               (tmp_path / "run" / f"metrics-{file_slug(methods[1])}.jsonl").read_text().splitlines()]
+    assert [m["bytes_sent"] > 0 for m in metrics] == [True, True, False, True, False, True, False, True]
+
+
+def _diloco_resume_run(tmp_path, name: str, steps: int, *extra: str) -> dict:
+    folder = tmp_path / name
+    command = [sys.executable, "-m", "gradwire", "train", "--model", "cnn", "--data", "digits", "--workers", "2",
+               "--batch-size", "16", "--no-eval", "--epochs", "2", "--steps-per-epoch", "6", "--steps", str(steps),
+               "--method", RESUME_METHOD, "--checkpoint-dir", str(tmp_path / "ckpt" / name), "--timeout", "150",
+               *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=200, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = tmp_path / "ckpt" / name / file_slug(RESUME_METHOD) / f"step-{steps:06d}"
+    import torch
+
+    return {"stderr": result.stderr, "ranks": [torch.load(final / f"rank{r}.pt", weights_only=True) for r in (0, 1)],
+            "folder": folder}
+
+
+RESUME_METHOD = "diloco:sync_every=4,warmup_steps=2+topk:density=0.1,collective=allgather"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_train_checkpoint_dir_resumes_a_diloco_run_mid_period_exactly(tmp_path) -> None:
+    straight = _diloco_resume_run(tmp_path, "straight", 11)
+    _diloco_resume_run(tmp_path, "resumed", 5, "--checkpoint-every", "5")  # stops mid-period (local step 3)
+    (tmp_path / "ckpt" / "resumed-again").symlink_to(tmp_path / "ckpt" / "resumed")
+    resumed = _diloco_resume_run(tmp_path, "resumed-again", 11)
+    assert "resumed from the checkpoint of step 5" in resumed["stderr"]
+    import torch
+
+    for reference, mine in zip(straight["ranks"], resumed["ranks"]):
+        for name, tensor in reference["hook"]["global"].items():  # θ, bit for bit
+            assert torch.equal(mine["hook"]["global"][name], tensor), name
+        for name, tensor in reference["model"].items():
+            assert torch.equal(mine["model"][name], tensor), name
+        assert mine["hook"]["outer_steps"] == reference["hook"]["outer_steps"] == 2
 
 
 BAD_OPTIONS = [

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradwire
-from examples.plain_loops import custom_loop, plain_ddp
+from examples.plain_loops import custom_loop, local_steps, plain_ddp
 from tests.frameworks.launch import write_result
 
 dist.init_process_group("gloo")
@@ -18,6 +18,11 @@ for run in (plain_ddp, custom_loop):
     result[run.__name__] = {"steps": stats["step"], "sent": stats["total_bytes_sent"],
                             "dense": stats["total_bytes_dense"], "norm": stats["residual_norm"],
                             "digest": [float(p.detach().double().sum()) for p in model.parameters()]}
+model, local = local_steps()
+stats = local.stats()
+result["local_steps"] = {"steps": stats["inner_steps"], "outer": stats["outer_steps"], "sent": stats["bytes_sent"],
+                         "dense": stats["bytes_ddp_per_step"] * stats["inner_steps"],
+                         "digest": [float(p.detach().double().sum()) for p in model.parameters()]}
 dist.barrier()  # both ranks' hook files are written
 fresh = gradwire.CommHookState(compressor="topk", density=0.05, value_codec="fp16", index_codec="rice",
                                model=DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
@@ -28,4 +33,6 @@ try:
     fresh.load_state_dict(torch.load(f"hook-rank{1 - rank}.pt", weights_only=True))
 except ValueError as error:
     result["other_rank_error"] = str(error)
+restored = torch.load(f"diloco-rank{rank}.pt", weights_only=True)
+result["diloco_state"] = {"rank": restored["rank"], "outer_steps": restored["outer_steps"]}
 write_result(result)

@@ -1,7 +1,7 @@
 """``gradwire train`` under ``torchrun --max-restarts`` (the README's examples/torchrun.sh): one
 worker is killed with SIGKILL mid-run, torchrun restarts the job, it resumes from its last
 checkpoint with every rank's residuals and ends with the parameters of an uninterrupted run; the
-metrics hold every step exactly once."""
+metrics hold every step exactly once. The same for a DiLoCo method killed mid-period."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ pytestmark = [pytest.mark.frameworks, pytest.mark.distributed]
 
 SCRIPT = ROOT / "examples" / "torchrun.sh"
 METHOD = "topk:density=0.01,values=fp16,indices=rice,collective=allgather"  # the script's method
+LOCAL = "diloco:sync_every=4,warmup_steps=3+topk:density=0.05,collective=allgather"  # added after it
 STEPS_PER_EPOCH, EPOCHS, EVERY = 10, 3, 5  # synthetic: 64 batches of 16 per rank and epoch
 
 
-def _command(folder: Path) -> list[str]:
+def _command(folder: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return ["bash", str(SCRIPT), "--model", "cnn", "--data", "synthetic", "--epochs", str(EPOCHS),
             "--steps-per-epoch", str(STEPS_PER_EPOCH), "--batch-size", "16", "--no-eval", "--out", str(folder / "out"),
-            "--checkpoint-every", str(EVERY)]  # the last --checkpoint-every wins over the script's
+            "--checkpoint-every", str(EVERY), *extra]  # the last --checkpoint-every wins over the script's
 
 
 def _children(pid: int) -> list[int]:
@@ -49,16 +50,17 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _run(folder: Path, kill_after_step: int | None) -> tuple[str, dict]:
+def _run(folder: Path, kill_after_step: int | None, method: str = METHOD,
+         extra: tuple[str, ...] = ()) -> tuple[str, dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port()), CKPT=str(folder / "ckpt"), NODES="1", PROCS="2",
                HEAD="127.0.0.1", PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen(_command(folder), cwd=folder, env=env,
+    process = subprocess.Popen(_command(folder, extra), cwd=folder, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     killed: dict = {}
 
     def kill_one_worker() -> None:
-        marker = folder / "ckpt" / file_slug(METHOD) / f"step-{kill_after_step:06d}" / "COMPLETE"
+        marker = folder / "ckpt" / file_slug(method) / f"step-{kill_after_step:06d}" / "COMPLETE"
         deadline = time.monotonic() + 200
         while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -84,8 +86,8 @@ def _run(folder: Path, kill_after_step: int | None) -> tuple[str, dict]:
     return output, killed
 
 
-def _final(folder: Path) -> dict:
-    path = folder / "ckpt" / file_slug(METHOD) / f"step-{EPOCHS * STEPS_PER_EPOCH:06d}"
+def _final(folder: Path, method: str = METHOD) -> dict:
+    path = folder / "ckpt" / file_slug(method) / f"step-{EPOCHS * STEPS_PER_EPOCH:06d}"
     return {rank: torch.load(path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)}
 
 
@@ -119,3 +121,21 @@ def test_sigkilled_worker_restarts_and_ends_as_an_uninterrupted_run(tmp_path: Pa
     assert steps == list(range(EPOCHS * STEPS_PER_EPOCH))  # no step lost, none repeated
     losses = [record["loss"] for record in _metrics(straight)]
     assert [record["loss"] for record in _metrics(interrupted)] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.timeout(900)
+def test_a_worker_killed_mid_diloco_period_restarts_and_ends_with_the_uninterrupted_global_parameters(
+        tmp_path: Path) -> None:
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    straight.mkdir(), interrupted.mkdir()
+    _run(straight, None, extra=("--method", LOCAL))
+    # the DiLoCo method runs second; its step 5 is local step 2 of a period of 4 (after 3 warm-up
+    # steps): the checkpoint holds θ, the outer optimizer, residuals and the step in the period
+    output, killed = _run(interrupted, kill_after_step=EVERY, method=LOCAL, extra=("--method", LOCAL))
+    assert killed and "resumed from the checkpoint of step " in output, output[-3000:]
+    for reference, mine in zip(_final(straight, LOCAL).values(), _final(interrupted, LOCAL).values()):
+        assert mine["hook"]["outer_steps"] == reference["hook"]["outer_steps"] > 0
+        for name, tensor in reference["hook"]["global"].items():
+            torch.testing.assert_close(mine["hook"]["global"][name], tensor, rtol=1e-5, atol=1e-6)
+        for name, tensor in reference["model"].items():
+            torch.testing.assert_close(mine["model"][name], tensor, rtol=1e-5, atol=1e-6)

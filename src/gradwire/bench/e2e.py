@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per method")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps run first and left out")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adamw (default sgd)")
+    parser.add_argument("--lr", type=float, default=None, help="default: sgd 0.05, adamw 2e-3")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat floors and methods this many times; report medians over rounds")
     parser.add_argument("--local", action="store_true",
@@ -81,7 +83,8 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
     config = TrainConfig(methods=methods, model=model or args.model, data=data if data is not None else args.data,
                          epochs=epochs, steps_per_epoch=None if full_epochs else args.steps + args.warmup_steps,
                          warmup_steps=args.warmup_steps if warmup_steps is None else warmup_steps,
-                         batch_size=args.batch_size, evaluate=model is not None, compute_only=compute_only,
+                         batch_size=args.batch_size, optimizer=getattr(args, "optimizer", "sgd"),
+                         lr=getattr(args, "lr", None), evaluate=model is not None, compute_only=compute_only,
                          barrier_each_step=barrier, seed=seed,
                          out=out, progress=False, synthetic_size=max(256, args.batch_size * workers * 16))
     config.validate()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 from ..harness.optimizers import OPTIMIZERS
 
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=250, metavar="N",
                         help="held-out evaluation every N steps and at the end (0: only at the end; default 250)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--method", default="allreduce", metavar="SPEC",
+                        help="allreduce (default), a gradwire compressor or quantize spec (per-step), or "
+                             "diloco:sync_every=N,...[+compressor] (gradwire train --help lists the keys)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON")
 
 
@@ -49,6 +53,12 @@ def _check(args: argparse.Namespace) -> None:
                                ("--threads", args.threads, 1)):
         if value < low:
             raise UsageError(f"{option}={value} must be >= {low}")
+    from .train import check_method
+
+    try:
+        check_method(args.method)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     try:
         optimizers.resolve(args.optimizer, args.lr, args.weight_decay)
     except ValueError as error:  # "lr=-1 must be > 0" -> "--lr=-1 must be > 0"
@@ -82,17 +92,63 @@ def run(args: argparse.Namespace) -> int:
     print(f"gradwire simulate: {args.workers} workers x {args.steps} steps, {args.model} on {fingerprint}, "
           f"batch {args.batch_size} per worker, {args.optimizer}", file=sys.stderr, flush=True)
     try:
+        plugs, counter = _method_plugs(args.method, args.workers, args.steps)
         result = simulate(args.workers, args.steps, model=args.model, data=args.data, batch_size=args.batch_size,
                           optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                          eval_every=args.eval_every, workload=workload, log=lambda line: print(line, flush=True))
-    except ValueError as error:  # a shard smaller than one batch
+                          eval_every=args.eval_every, workload=workload, log=lambda line: print(line, flush=True),
+                          **plugs)
+    except ValueError as error:  # a shard smaller than one batch, an exchange the simulator does not replay
         print(f"gradwire simulate: {error}", file=sys.stderr)
         return 2
     name = "held-out loss (nats/byte)" if result.metric == "loss" else "test accuracy"
     value = result.held_out_loss if result.metric == "loss" else result.test_accuracy
     print(f"final {name}: {value:.4f} after {result.steps} steps; {result.steps_per_second:.2f} steps/s "
           f"({result.train_seconds:.0f} s training, {result.eval_seconds:.0f} s evaluating)")
+    record = result.to_dict()
+    parameters = result.parameters
+    ddp_bytes = 2 * (args.workers - 1) / args.workers * 4 * parameters
+    sent = counter() / args.steps
+    record.update(method=args.method, bytes_per_step=sent, bytes_ddp_per_step=ddp_bytes)
+    if hasattr(plugs.get("after_step"), "__self__"):
+        sim = plugs["after_step"].__self__
+        record.update(outer_steps=sim.outer_steps, bytes_outer=sim.bytes_outer, bytes_peak_sync=sim.bytes_peak_sync,
+                      bytes_per_local_step=sim.bytes_outer / max(args.steps - sim.local.warmup_steps, 1))
+    print(f"{args.method}: {sent:,.0f} bytes per worker per step, {sent / ddp_bytes:.5f} x DDP's AllReduce"
+          + (f"; {record['bytes_per_local_step'] / ddp_bytes:.5f} x over the local steps"
+             if "bytes_per_local_step" in record else ""))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(result.to_dict(), handle, indent=1)
+            json.dump(record, handle, indent=1)
     return 0
+
+
+def _method_plugs(spec_text: str, workers: int, steps: int) -> tuple[dict, "Callable[[], float]"]:
+    """simulate()'s plug points for a method spec, and a function returning the bytes one worker sent."""
+    from ..harness.diloco_sim import SimulatedDiLoCo, SimulatedHook
+    from ..harness.methods import parse_method
+
+    spec = parse_method(spec_text)
+    parameters = {"count": 0}
+    if spec.pufferfish is not None:
+        raise ValueError(f"--method={spec_text!r}: the simulator does not switch models (pufferfish)")
+    if spec.local_steps is not None:
+        options = spec.diloco_options()
+        if options.pop("inner", "none") != "none":
+            raise ValueError("--method: inner=ddp needs real nodes (gradwire train --cluster)")
+        sim = SimulatedDiLoCo(workers, steps, **options)
+        return ({"reduce": sim.reduce, "after_step": sim.after_step, "eval_model": sim.eval_model,
+                 "on_start": sim.bind}, lambda: sim.bytes_sent)
+    if spec.communication.name == "allreduce":
+        from ..harness.simulate import exact_mean
+
+        def reduce(grads):  # type: ignore[no-untyped-def]
+            parameters["count"] += 1
+            parameters["numel"] = sum(g.numel() for g in grads[0])
+            return exact_mean(grads)
+
+        return {"reduce": reduce}, lambda: parameters["count"] * 2 * (workers - 1) / workers * 4 * \
+            parameters.get("numel", 0)
+    if spec.communication.name in ("torch-fp16", "torch-powersgd"):
+        raise ValueError(f"--method={spec_text!r}: the simulator replays gradwire's exchanges and allreduce only")
+    hook = SimulatedHook(workers, **spec.hook_options())
+    return {"reduce": hook.reduce}, lambda: hook.bytes_sent

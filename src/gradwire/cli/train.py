@@ -46,6 +46,11 @@ EXAMPLES = [
      "one epoch each, the summaries also written to run.json"),
     ("gradwire train --model resnet18 --data synthetic --method pufferfish:warmup_epochs=1+topk:density=0.01",
      "a low-rank ResNet-18 after a full-rank warm-up epoch, sending top-k 1%"),
+    ("gradwire train --model gpt --optimizer adamw --method allreduce --method diloco:sync_every=16,warmup_steps=300 "
+     "--steps 1500 --warmup-steps 300 --batch-size 16 --workers 4",
+     "DDP vs DiLoCo (an outer step every 16 steps after 300 synchronous ones) on the byte-level LM"),
+    ("gradwire train --model gpt --optimizer adamw --method diloco:sync_every=32+topk:density=0.03,values=qsgd-ans",
+     "DiLoCo whose outer step sends top-k 3% of the pseudo-gradient, entropy-coded"),
     ("gradwire train --show run.json", "the tables of a saved run again"),
 ]
 
@@ -160,7 +165,11 @@ def check_method(spec_text: str) -> None:
 
     spec = parse_method(spec_text)
     try:
-        if spec.communication.name not in TORCH_HOOKS:
+        if spec.local_steps is not None:
+            from ..local_steps import split_options
+
+            split_options(**{k: v for k, v in spec.diloco_options().items() if k != "inner"})  # checks only
+        elif spec.communication.name not in TORCH_HOOKS:
             import gradwire
 
             gradwire.CommHookState(**spec.hook_options())  # no model, no process group: checks only
@@ -467,5 +476,15 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
             print(format_table(["node", "MB sent across nodes", "MB received across nodes"],
                                [[node, f"{sent / 1e6:.3f}", f"{received / 1e6:.3f}"] for node, (sent, received)
                                 in enumerate(zip(link["node_tx_bytes"], link["node_rx_bytes"]))]))
+    local = [s for s in summaries if s.get("local_steps")]
+    if local:
+        print("\nlocal steps (diloco): s/step, MB sent/step and the phases above are means per inner step over the "
+              "measured steps (a sync's burst spread over its period); the rest are medians")
+        print(format_table(["method", "H", "outer steps", "peak MB per sync", "s in syncs per outer step",
+                            "MB per local step"],
+                           [[s["method"], s["local_steps"]["sync_every"], s["local_steps"]["outer_steps"],
+                             _number(s["local_steps"]["bytes_peak_sync"] / 1e6, ".3f"),
+                             _number(s["local_steps"]["seconds_sync"] / max(s["local_steps"]["outer_steps"], 1), ".3f"),
+                             _number(s["local_steps"]["bytes_per_local_step"] / 1e6, ".4f")] for s in local]))
     if missing:
         print(f"\n{MISSING}: " + "; ".join(sorted(missing)))

@@ -10,6 +10,9 @@ Examples::
     quantize:bits=4,block=128                   gradwire hook, dense AllReduce of int4 blocks
     pufferfish:rank_ratio=0.25,warmup_epochs=1  low-rank model after a full-rank warm-up
     pufferfish:rank_ratio=0.25+topk:density=0.01
+    diloco:sync_every=16,warmup_steps=300       DiLoCo: local steps, a dense outer step every 16
+    diloco:sync_every=32+topk:density=0.03,values=qsgd-ans   ... whose outer step sends top-k 3%
+    diloco:sync_every=32+quantize:bits=4        ... or int4 blocks
 
 Parsing gives plain data (:class:`MethodSpec`); applying it to a model lives in ``training.py``.
 """
@@ -50,6 +53,12 @@ TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": 
 #: ``quantize:bits=8,block=128``: gradwire's dense AllReduce of int8/int4 blocks (error feedback on)
 QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "warmup_steps": int}
 PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}
+#: ``diloco:sync_every=16,...``: local steps; a communication part joined by ``+`` compresses the outer step
+DILOCO_KEYS = {"sync_every": int, "outer_lr": float, "outer_momentum": float, "nesterov": "bool",
+               "warmup_steps": int, "fragments": int, "overlap": int, "decay": float, "merge_alpha": float,
+               "unsent": "unsent", "inner": "inner", "warmup_quantize": "warmup_quantize"}
+#: spec keys of ``diloco`` whose DiLoCo keyword differs
+_DILOCO_NAMES = {"overlap": "overlap_steps", "decay": "feedback_decay"}
 
 
 @dataclass(frozen=True)
@@ -60,15 +69,26 @@ class Part:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A parsed method: at most one communication part and at most one pufferfish part."""
+    """A parsed method: at most one communication part, one pufferfish part and one ``diloco`` part
+    (``local_steps``; the communication part then compresses its outer step)."""
 
     text: str
     communication: Part
     pufferfish: Part | None = None
+    local_steps: Part | None = None
 
     @property
     def label(self) -> str:
         return self.text
+
+    def diloco_options(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`gradwire.DiLoCo` (without model, optimizer and group): the
+        ``diloco`` part's, and the outer exchange's from the communication part (``allreduce``: dense)."""
+        assert self.local_steps is not None
+        options = {_DILOCO_NAMES.get(key, key): value for key, value in self.local_steps.options.items()}
+        if self.communication.name != "allreduce":
+            options.update(self.hook_options())
+        return options
 
     def hook_options(self) -> dict[str, Any]:
         """Keyword arguments for :class:`gradwire.CommHookState` (gradwire compressors only)."""
@@ -93,8 +113,9 @@ class MethodSpec:
 
 
 def _kind_name(kind: Any) -> str:
-    return {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node"}.get(
-        kind, getattr(kind, "__name__", str(kind)))
+    return {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node",
+            "unsent": "residual|model", "inner": "none|ddp (DDP inside each node)",
+            "warmup_quantize": "int8|int4"}.get(kind, getattr(kind, "__name__", str(kind)))
 
 
 def spec_help(width: int = 100) -> str:
@@ -135,7 +156,9 @@ def spec_help(width: int = 100) -> str:
              paragraph(f"gradwire compressors ({', '.join(sparsifiers())})", keys(hook_keys)),
              paragraph("quantize (dense AllReduce of int8/int4 blocks, bits=8|4, error feedback)",
                        keys(QUANTIZE_KEYS)),
-             paragraph("pufferfish (low-rank model after a full-rank warm-up)", keys(PUFFERFISH_KEYS))]
+             paragraph("pufferfish (low-rank model after a full-rank warm-up)", keys(PUFFERFISH_KEYS)),
+             paragraph("diloco (local steps, an outer step every sync_every; '+' a compressor or quantize part "
+                       "compresses it: docs/local-steps.md)", keys(DILOCO_KEYS))]
     return "\n".join(lines)
 
 
@@ -147,6 +170,11 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
             return raw.lower() in ("true", "1", "yes")
         if kind == "hierarchy":  # ranks per node, or "auto" (torchrun's LOCAL_WORLD_SIZE)
             return raw if raw == "auto" else int(raw)
+        if kind in ("unsent", "inner", "warmup_quantize"):
+            if raw not in {"unsent": ("residual", "model"), "inner": ("none", "ddp"),
+                           "warmup_quantize": ("int8", "int4")}[kind]:
+                raise ValueError(raw)
+            return raw
         return kind(raw)
     except ValueError:
         raise ValueError(f"method {spec!r}: {key}={raw!r} is not a valid {_kind_name(kind)}") from None
@@ -155,11 +183,13 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
 def _parse_part(spec: str, text: str, compressors: list[str]) -> Part:
     name, _, rest = text.partition(":")
     name = name.strip()
-    allowed_names = [*TORCH_HOOKS, "pufferfish", "quantize", *compressors]
+    allowed_names = [*TORCH_HOOKS, "pufferfish", "diloco", "quantize", *compressors]
     if name not in allowed_names:
         raise ValueError(f"method {spec!r}: {name!r} is not supported; allowed: {', '.join(allowed_names)}")
     if name == "pufferfish":
         keys: dict[str, Any] = PUFFERFISH_KEYS
+    elif name == "diloco":
+        keys = DILOCO_KEYS
     elif name in TORCH_HOOKS:
         keys = TORCH_KEYS[name]
     elif name == "quantize":
@@ -186,8 +216,19 @@ def parse_method(spec: str) -> MethodSpec:
         raise ValueError("method spec is empty; e.g. 'allreduce' or 'topk:density=0.01'")
     parts = [_parse_part(spec, piece, sparsifiers()) for piece in spec.split("+")]
     pufferfish = [p for p in parts if p.name == "pufferfish"]
-    communication = [p for p in parts if p.name != "pufferfish"]
-    if len(pufferfish) > 1 or len(communication) > 1:
-        raise ValueError(f"method {spec!r}: combine at most one pufferfish part with one communication method")
+    local_steps = [p for p in parts if p.name == "diloco"]
+    communication = [p for p in parts if p.name not in ("pufferfish", "diloco")]
+    if len(pufferfish) > 1 or len(communication) > 1 or len(local_steps) > 1:
+        raise ValueError(f"method {spec!r}: combine at most one pufferfish part, one diloco part and one "
+                         "communication method")
+    if local_steps:
+        if "sync_every" not in local_steps[0].options:
+            raise ValueError(f"method {spec!r}: diloco needs sync_every=N (inner steps between outer steps)")
+        if communication and communication[0].name in ("torch-fp16", "torch-powersgd"):
+            raise ValueError(f"method {spec!r}: diloco's outer step takes a gradwire compressor or quantize part, "
+                             f"not {communication[0].name!r}")
+        if communication and "warmup_steps" in communication[0].options:
+            raise ValueError(f"method {spec!r}: with diloco, warmup_steps belongs to the diloco part (synchronous "
+                             "steps before the first local period)")
     return MethodSpec(spec.strip(), communication[0] if communication else Part("allreduce"),
-                      pufferfish[0] if pufferfish else None)
+                      pufferfish[0] if pufferfish else None, local_steps[0] if local_steps else None)

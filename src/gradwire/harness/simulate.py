@@ -15,10 +15,12 @@ Plug in other schemes through two callables:
   shaped like the parameter); return one list (a compressed average: error feedback keeps its
   state in the callable) or ``None`` to let every worker step on its own gradient (local steps);
 * ``after_step(step, models, optimizers)``: runs after every optimizer step (e.g. DiLoCo's outer
-  step every H steps: average the replicas' parameters, apply an outer optimizer).
+  step every H steps: average the replicas' parameters, apply an outer optimizer;
+  :class:`~.diloco_sim.SimulatedDiLoCo` is the DiLoCo front-end's algorithm).
 
 Evaluation (every ``eval_every`` steps and at the end) is :func:`~.workloads.evaluate` of
-replica 0 over the whole test split: for a language model, the held-out loss in nats per byte.
+replica 0 (or of ``eval_model(replicas)``, e.g. a model holding DiLoCo's global parameters) over
+the whole test split: for a language model, the held-out loss in nats per byte.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from .workloads import Workload, build_workload, evaluate
 Reduce = Callable[[Sequence[Sequence[Tensor]]], Optional[Sequence[Tensor]]]
 #: (step just taken, 1-based; the replicas; their optimizers) -> None
 AfterStep = Callable[[int, Sequence[nn.Module], Sequence[torch.optim.Optimizer]], None]
+#: the replicas -> the model to evaluate
+EvalModel = Callable[[Sequence[nn.Module]], nn.Module]
 
 
 def exact_mean(grads: Sequence[Sequence[Tensor]]) -> list[Tensor]:
@@ -125,7 +129,9 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
              weight_decay: Optional[float] = None, momentum: float = 0.9, seed: int = 0, eval_every: int = 0,
              reduce: Reduce = exact_mean, after_step: Optional[AfterStep] = None,
              workload: Optional[Workload] = None, model_options: Optional[dict[str, Any]] = None,
-             eval_batch_size: int = 256, log: Optional[Callable[[str], None]] = None) -> Simulation:
+             eval_batch_size: int = 256, log: Optional[Callable[[str], None]] = None,
+             eval_model: Optional[EvalModel] = None,
+             on_start: Optional[Callable[[Sequence[nn.Module]], None]] = None) -> Simulation:
     """Train ``workers`` simulated data-parallel workers for ``steps`` steps; evaluate on the way.
 
     Args:
@@ -146,6 +152,8 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
         model_options: keywords for the model (e.g. a smaller gpt).
         eval_batch_size: examples per evaluation forward pass.
         log: called with one line per evaluation (e.g. ``print``).
+        eval_model: the model to evaluate, from the replicas (default: replica 0).
+        on_start: called with the replicas before the first step (e.g. to take their initial weights).
 
     Returns:
         A :class:`Simulation`.
@@ -172,7 +180,8 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
 
     def evaluation(step: int) -> None:
         started = time.perf_counter()
-        accuracy, loss = evaluate(replicas[0], workload, "cpu", eval_batch_size)
+        model_to_evaluate = eval_model(replicas) if eval_model is not None else replicas[0]
+        accuracy, loss = evaluate(model_to_evaluate, workload, "cpu", eval_batch_size)
         result.eval_seconds += time.perf_counter() - started
         result.evaluations.append({"step": step, "held_out_loss": loss, "test_accuracy": accuracy})
         result.held_out_loss, result.test_accuracy = loss, accuracy
@@ -182,6 +191,8 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
             speed = f", {step / result.train_seconds:.2f} steps/s" if result.train_seconds else ""
             log(f"step {step}/{steps}: held-out loss {loss:.4f}{train}{speed}")
 
+    if on_start is not None:
+        on_start(replicas)
     if eval_every:
         evaluation(0)
     for step in range(1, steps + 1):

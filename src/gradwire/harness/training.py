@@ -21,6 +21,14 @@ models, whose headline it is: ``metric`` says which number the tables show).
 
 ``compute_only=True`` runs forward+backward under ``no_sync()`` (no communication at all): the
 floor that communication overhead is measured against.
+
+A ``diloco:...`` method (:class:`gradwire.DiLoCo`) trains the model without DDP (or, with
+``inner=ddp``, DDP inside each node of ``LOCAL_WORLD_SIZE`` ranks and DiLoCo across nodes); its
+outer steps run from the optimizer's post-hook, so a step's ``seconds_optimizer`` includes a sync.
+Its ``bytes_sent`` per step is what that step sent (a sync's burst, or nothing), and the summary's
+``bytes_per_step`` is their *mean* over the measured steps (a median would be 0); ``--warmup-steps``
+set to DiLoCo's warm-up leaves the synchronous steps out of it. Before the evaluation every rank
+calls ``synchronize()``, so the evaluated model holds the global parameters.
 """
 
 from __future__ import annotations
@@ -166,8 +174,57 @@ def _hook_bytes_per_step(spec: MethodSpec, parameters: int, world: int) -> float
     return math.nan  # powerSGD: measured by difference of model sizes is not exact; reported as n/a
 
 
+class LocalModel(torch.nn.Module):
+    """A model trained without DDP (DiLoCo's local steps), with what the loop reads of a DDP module:
+    ``.module`` and ``no_sync()`` (there is nothing to hold back)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+_HIERARCHIES: dict[int, Any] = {}
+
+
+def _hierarchy(local_size: int) -> Any:
+    """The intra- and cross-node groups for ``local_size`` ranks per node, built once per process
+    (``dist.new_group`` is a collective every rank runs in the same order)."""
+    if local_size not in _HIERARCHIES:
+        from ..exchange.hierarchy import build_hierarchy
+
+        _HIERARCHIES[local_size] = build_hierarchy(local_size)
+    return _HIERARCHIES[local_size]
+
+
+def _local_steps_groups(spec: MethodSpec) -> tuple[Any, Any]:
+    """(inner DDP's group or None for no DDP, DiLoCo's group) of a diloco method."""
+    assert spec.local_steps is not None
+    if spec.local_steps.options.get("inner", "none") == "none":
+        return None, None
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_size <= 1 or dist.get_world_size() % local_size:
+        raise ValueError(f"diloco inner=ddp needs nodes of several ranks (LOCAL_WORLD_SIZE={local_size}, "
+                         f"world {dist.get_world_size()}): use --cluster --nodes N --workers-per-node M")
+    hierarchy = _hierarchy(local_size)
+    return hierarchy.intra, hierarchy.cross
+
+
 def _wrap(module: torch.nn.Module, spec: MethodSpec, config: TrainConfig, device: torch.device) -> tuple[DDP, Any]:
-    """DDP around ``module`` with the method's communication hook; returns (ddp, hook state)."""
+    """DDP around ``module`` with the method's communication hook; returns (ddp, hook state). A
+    diloco method: :class:`LocalModel` (or DDP inside the node) and no state yet (DiLoCo needs the
+    optimizer: :func:`_local_steps`)."""
+    if spec.local_steps is not None:
+        intra, _ = _local_steps_groups(spec)
+        if intra is None:
+            return LocalModel(module), None
+        return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, process_group=intra,
+                   bucket_cap_mb=config.bucket_cap_mb), None
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=config.bucket_cap_mb)
     name = spec.communication.name
     options = spec.communication.options
@@ -190,6 +247,19 @@ def _wrap(module: torch.nn.Module, spec: MethodSpec, config: TrainConfig, device
     state = gradwire.CommHookState(model=ddp, **spec.hook_options())
     ddp.register_comm_hook(state, gradwire.comm_hook)
     return ddp, state
+
+
+def _local_steps(spec: MethodSpec, model: Any, optimizer: torch.optim.Optimizer, steps_done: int) -> Any:
+    """A :class:`gradwire.DiLoCo` over ``model`` (a :class:`LocalModel` or a node's DDP) stepping with
+    ``optimizer``; ``steps_done`` inner steps already ran (after a Pufferfish switch), counted off
+    the synchronous warm-up."""
+    from ..local_steps import DiLoCo
+
+    options = {key: value for key, value in spec.diloco_options().items() if key != "inner"}
+    options["warmup_steps"] = max(0, options.get("warmup_steps", 0) - steps_done)
+    _, cross = _local_steps_groups(spec)
+    return DiLoCo(model.module if isinstance(model, LocalModel) else model, optimizer, process_group=cross,
+                  **options)
 
 
 def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
@@ -224,6 +294,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         ddp = warmup.model
     else:
         optimizer = optimizer_factory(ddp.parameters())
+    if spec.local_steps is not None:
+        holder["state"] = _local_steps(spec, ddp, optimizer, 0)
 
     sampler = torch.utils.data.distributed.DistributedSampler(workload.train, shuffle=True, seed=config.seed)
     loader = torch.utils.data.DataLoader(workload.train, batch_size=config.batch_size, sampler=sampler, drop_last=True)
@@ -236,6 +308,9 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     start_step = resume.latest_step(folder) if folder else 0
     if start_step:
         resume.load(folder, start_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"], device=device)
+        if spec.local_steps is not None:  # the per-step byte counts go on from the restored counters
+            stats = holder["state"].stats()
+            holder["local_last"] = (stats["bytes_sent"], stats["seconds_sync"] + stats["seconds_warmup"])
         if rank == 0:
             print(f"gradwire: {spec_text}: resumed from the checkpoint of step {start_step}", file=sys.stderr, flush=True)
     records: list[dict[str, Any]] = []
@@ -257,6 +332,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         ddp, optimizer = _loop(config, spec, workload, ddp, optimizer, warmup, holder, sampler, loader,
                                steps_per_epoch, total_steps, records, metrics_file, bar, device, world, start_step,
                                folder)
+        if spec.local_steps is not None:
+            holder["state"].synchronize()  # every rank evaluates the global parameters
     except Exception as error:  # DDP re-raises the hook's NonFiniteGradientError wrapped
         # the hook raises on every rank together when a gradient holds NaN/Inf: record the
         # divergence and go on with the next method instead of losing the whole comparison
@@ -271,6 +348,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     accuracy, test_loss = (evaluate(ddp, workload, device) if config.evaluate and status == "ok"
                            else (math.nan, math.nan))
     measured = records[config.warmup_steps:] or records
+    # a local-steps method syncs in bursts: its per-step numbers are means (a median would hide the syncs)
+    aggregate = mean if spec.local_steps is not None else median
     summary = {
         "method": spec_text,
         "status": status,
@@ -287,13 +366,14 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "metric": workload.metric,
         "data": workload.info,
         "wall_seconds": wall,
-        "seconds_per_step": median([r["seconds_step"] for r in measured]),
-        "bytes_per_step": median([r.get("bytes_sent", math.nan) for r in measured]),
+        "seconds_per_step": aggregate([r["seconds_step"] for r in measured]),
+        "bytes_per_step": aggregate([r.get("bytes_sent", math.nan) for r in measured]),
         "parameters": sum(p.numel() for p in ddp.parameters()),
-        "phases": {key: median([r.get(key, math.nan) for r in measured]) for key in
+        "phases": {key: aggregate([r.get(key, math.nan) for r in measured]) for key in
                    ("seconds_forward", "seconds_backward", "seconds_optimizer", "seconds_compress",
                     "seconds_communicate", "seconds_decompress")},
         "compute_only": config.compute_only,
+        "per_step": "mean" if spec.local_steps is not None else "median",
         "wire": holder.get("wire"),
         "strategy_buckets": {key[len("count_"):-len("_buckets")]: value for key, value in
                              (records[-1] if records else {}).items() if key.endswith("_buckets")},
@@ -302,6 +382,12 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
                  if key.startswith("auto_")},
         "config": asdict(config),
     }
+    if spec.local_steps is not None:
+        stats = holder["state"].stats()
+        summary["local_steps"] = {key: stats[key] for key in (
+            "inner_steps", "outer_steps", "skipped_outer_steps", "bytes_warmup", "bytes_outer", "bytes_peak_sync",
+            "bytes_per_local_step", "bytes_ddp_per_step", "seconds_sync", "seconds_warmup")}
+        summary["local_steps"]["sync_every"] = spec.local_steps.options["sync_every"]
     return summary
 
 
@@ -376,6 +462,16 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
             current_state = holder["state"]
             if config.compute_only:
                 record["bytes_sent"] = 0.0
+            elif spec.local_steps is not None:
+                stats = current_state.stats()
+                last = holder.get("local_last", (0.0, 0.0))
+                seconds = stats["seconds_sync"] + stats["seconds_warmup"]
+                # what this step sent (a sync's burst, or nothing) and the seconds its hooks spent
+                record.update(bytes_sent=stats["bytes_sent"] - last[0], seconds_communicate=seconds - last[1],
+                              outer_steps=stats["outer_steps"])
+                record.update({key[len("exchange_"):]: value for key, value in stats.items()
+                               if key.startswith("exchange_count_") and key.endswith("_buckets")})
+                holder["local_last"] = (stats["bytes_sent"], seconds)
             elif current_state is not None:
                 stats = current_state.stats()
                 record.update({"seconds_compress": stats["seconds_sparsify"] + stats["seconds_encode"],
@@ -405,8 +501,16 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
             print(f"{spec_text}: epoch {epoch + 1}/{config.epochs}, step {global_step}/{total_steps}, "
                   f"mean loss {loss:.4f}, {time.perf_counter() - started:.1f} s",
                   file=sys.stderr, flush=True)
-        if warmup is not None and warmup.step_epoch():
-            ddp, optimizer = warmup.model, warmup.optimizer
+        if warmup is not None:
+            local_steps = spec.local_steps is not None
+            if local_steps and not warmup.factorized and warmup.epochs_done + 1 >= warmup.warmup_epochs:
+                holder["state"].synchronize()  # every rank factorizes the same global parameters
+            if warmup.step_epoch():
+                ddp, optimizer = warmup.model, warmup.optimizer
+                if local_steps:  # the factorized model and its new optimizer get a DiLoCo of their own
+                    holder["state"].close()
+                    holder["state"] = _local_steps(spec, ddp, optimizer, global_step)
+                    holder.pop("local_last", None)
     if folder and saved != global_step:
         checkpoint()
     if wire_start is not None:
@@ -433,6 +537,12 @@ def run_rank(config: TrainConfig,
         if on_summary is not None:
             on_summary(list(summaries))
     return summaries
+
+
+def mean(values: list[float]) -> float:
+    """Mean of the non-NaN values (NaN when there are none)."""
+    finite = [v for v in values if v == v]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def median(values: list[float]) -> float:

@@ -1,0 +1,189 @@
+"""The tables of docs/local-steps.md, from the runs' JSON files (every number there comes from here).
+
+    python scripts/local_steps_report.py [--runs docs/lm/local-steps] [--timing docs/lm/local-steps/timing.json]
+
+``--runs``: ``gradwire simulate --json`` records named ``NAME-sSEED.json`` (scripts/local_steps_runs.sh
+writes them); a run named ``ddp`` is the DDP reference, ``dense-hH`` the dense DiLoCo reference of
+period H. ``--timing``: ``gradwire bench e2e`` results (``results.json``) of the emulated cluster,
+whose methods the TIMED table below maps to simulated runs. Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+from typing import Any, Optional
+
+#: simulated run -> (method timed on the cluster for its local steps, for its warm-up steps)
+TIMED = {
+    "ddp": ("allreduce", None),
+    "topk1-step": ("topk:density=0.01,values=qsgd-ans,indices=rice", None),
+}
+
+
+def load(folder: str) -> dict[str, dict[int, dict[str, Any]]]:
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*-s[0-9]*.json"))):
+        match = re.match(r"(.+)-s(\d+)\.json$", os.path.basename(path))
+        if match and os.path.getsize(path):  # a run in progress has created its file empty
+            with open(path) as handle:
+                runs.setdefault(match.group(1), {})[int(match.group(2))] = json.load(handle)
+    return runs
+
+
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and half the range (for 2 seeds: the distance of each seed from the mean)."""
+    if not values:
+        return math.nan, math.nan
+    return sum(values) / len(values), (max(values) - min(values)) / 2
+
+
+def evaluations(record: dict[str, Any]) -> list[tuple[int, float]]:
+    """(step, held-out loss) of a run. Runs recorded before diloco_sim evaluated the warm-up's model
+    (commit "eval_model in the warm-up") show the initial θ inside the warm-up: those are left out."""
+    warmup = warmup_of(record)
+    return [(e["step"], e["held_out_loss"]) for e in record["evaluations"] if e["step"] == 0 or e["step"] >= warmup]
+
+
+def crossing(record: dict[str, Any], target: float) -> float:
+    """The first step at which the held-out loss reaches ``target``, linearly interpolated between
+    evaluations; NaN if it never does."""
+    points = evaluations(record)
+    for (s0, l0), (s1, l1) in zip(points, points[1:]):
+        if l1 <= target:
+            return s1 if l0 == l1 else s0 + (l0 - target) / (l0 - l1) * (s1 - s0)
+    return math.nan
+
+
+def loss_at(record: dict[str, Any], step: float) -> float:
+    """The held-out loss at ``step`` (interpolated between evaluations; the last one beyond)."""
+    points = evaluations(record)
+    if step >= points[-1][0]:
+        return points[-1][1]
+    for (s0, l0), (s1, l1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    return math.nan
+
+
+def warmup_of(record: dict[str, Any]) -> int:
+    match = re.search(r"warmup_steps=(\d+)", record.get("method", ""))
+    return int(match.group(1)) if match else 0
+
+
+def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
+    ddp = runs.get("ddp", {})
+    ddp_mean, _ = mean_spread([r["held_out_loss"] for r in ddp.values()])
+    lines = ["| run | method | seeds | held-out loss (mean ± half range) | vs DDP | vs dense at same H | "
+             "bytes/step vs DDP (all steps) | (local steps) | peak sync, KB | steps to DDP's final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in sorted(runs, key=lambda n: (n != "ddp", n)):
+        seeds = runs[name]
+        first = next(iter(seeds.values()))
+        loss, spread = mean_spread([r["held_out_loss"] for r in seeds.values()])
+        period = re.search(r"sync_every=(\d+)", first.get("method", ""))
+        reference = runs.get(f"dense-h{period.group(1)}") if period else None
+        dense_mean = mean_spread([r["held_out_loss"] for r in reference.values()])[0] if reference else math.nan
+        ratio = first["bytes_per_step"] / first["bytes_ddp_per_step"]
+        local = first.get("bytes_per_local_step")
+        local_ratio = local / first["bytes_ddp_per_step"] if local is not None else math.nan
+        steps = [crossing(r, ddp[s]["held_out_loss"]) for s, r in seeds.items() if s in ddp]
+        lines.append(f"| {name} | `{first.get('method', '?')}` | {','.join(map(str, sorted(seeds)))} | "
+                     f"{loss:.4f} ± {spread:.4f} | {100 * (loss / ddp_mean - 1):+.1f}% | "
+                     f"{_pct(loss, dense_mean)} | {_ratio(ratio)} | {_ratio(local_ratio)} | "
+                     f"{first.get('bytes_peak_sync', math.nan) / 1e3:.1f} | {_steps(steps)} |")
+    return "\n".join(lines)
+
+
+def _pct(value: float, reference: float) -> str:
+    return "–" if math.isnan(reference) else f"{100 * (value / reference - 1):+.1f}%"
+
+
+def _ratio(value: float) -> str:
+    if math.isnan(value) or value <= 0:
+        return "–"
+    return f"1/{1 / value:,.0f}" if value < 0.5 else f"{value:.2f}"
+
+
+def _steps(values: list[float]) -> str:
+    finite = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "–"
+    if len(finite) < len(values):
+        return f"not reached in {len(values) - len(finite)} of {len(values)} seeds" + (
+            f" ({', '.join(f'{v:.0f}' for v in finite)})" if finite else "")
+    return ", ".join(f"{v:.0f}" for v in finite)
+
+
+def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, Any],
+                 mapping: dict[str, tuple[str, Optional[str]]]) -> str:
+    """Seconds per step on the cluster, and the projected time to DDP's final held-out loss."""
+    rows = timing["rows"]
+    lines = []
+    for bandwidth in sorted({r["bandwidth"] for r in rows}, key=lambda b: -_rate(b)):
+        at = {r["method"]: r for r in rows if r["bandwidth"] == bandwidth}
+        floor = next(iter(at.values()))["floor_seconds"]
+        ddp_time = 1500 * at["allreduce"]["seconds_per_step"] if "allreduce" in at else math.nan
+        lines += [f"\n**{bandwidth}** (compute-only floor {floor:.3f} s/step)\n",
+                  "| run | local-step method timed | s/step | x floor | warm-up s/step | steps to DDP's final | "
+                  "time to DDP's final, s | speed-up vs DDP | loss at equal wall time vs per-step top-k 1% |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        topk = runs.get("topk1-step", {})
+        for name, (local, warm) in mapping.items():
+            if name not in runs or local not in at:
+                continue
+            t_local = at[local]["seconds_per_step"]
+            t_warm = at[warm]["seconds_per_step"] if warm in at else t_local
+            seeds = runs[name]
+            ddp = runs.get("ddp", {})
+            steps = [crossing(r, ddp[s]["held_out_loss"]) if name != "ddp" else 1500.0
+                     for s, r in seeds.items() if s in ddp]
+            times = [_time(s, warmup_of(seeds[seed]), t_warm, t_local) for s, seed in zip(steps, seeds)]
+            mean_time = mean_spread([t for t in times if not math.isnan(t)])[0]
+            compare = "–"
+            if topk and name not in ("topk1-step", "ddp"):
+                wall = [_time(1500.0, warmup_of(r), t_warm, t_local) for r in seeds.values()]
+                t_topk = at.get(TIMED["topk1-step"][0], {}).get("seconds_per_step", math.nan)
+                mine = mean_spread([r["held_out_loss"] for r in seeds.values()])[0]
+                theirs = mean_spread([loss_at(r, w / t_topk) for r, w in zip(topk.values(), wall)])[0]
+                compare = f"{mine:.4f} vs {theirs:.4f}"
+            lines.append(f"| {name} | `{local}` | {t_local:.3f} | {t_local / floor:.2f} | "
+                         f"{t_warm:.3f} | {_steps(steps)} | {mean_time:.0f} | {ddp_time / mean_time:.1f}x | {compare} |")
+    return "\n".join(lines)
+
+
+def _time(steps: float, warmup: int, t_warm: float, t_local: float) -> float:
+    if math.isnan(steps):
+        return math.nan
+    return min(steps, warmup) * t_warm + max(steps - warmup, 0.0) * t_local
+
+
+def _rate(bandwidth: str) -> float:
+    match = re.match(r"([\d.]+)([kmg]?)bit", bandwidth)
+    return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9, "": 1}[match.group(2)] if match else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="docs/lm/local-steps")
+    parser.add_argument("--timing", default=None, help="gradwire bench e2e results.json")
+    parser.add_argument("--map", default=None, help="JSON: {run: [local method, warm-up method or null]}")
+    args = parser.parse_args()
+    runs = load(args.runs)
+    print(quality_table(runs))
+    if args.timing:
+        with open(args.timing) as handle:
+            timing = json.load(handle)
+        mapping = dict(TIMED)
+        if args.map:
+            with open(args.map) as handle:
+                mapping.update({k: tuple(v) for k, v in json.load(handle).items()})
+        print(timing_table(runs, timing, mapping))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The runs behind docs/local-steps.md; then `python scripts/local_steps_report.py` prints its tables.
+#
+#   scripts/local_steps_runs.sh sim NAME SEED METHOD   one simulated run -> docs/lm/local-steps/NAME-sSEED.json
+#   scripts/local_steps_runs.sh sims                   every simulated run of the doc (2-4 at a time is what
+#                                                      a 2-core machine holds; each is ~15 min alone)
+#   scripts/local_steps_runs.sh timing RATE OUT        the emulated cluster at RATE (root), e.g. 100mbit
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src" OMP_NUM_THREADS=1
+
+# the calibration's setting: 4 workers x 1500 AdamW steps (lr 2e-3), 16 x 128 bytes each
+sim() {
+    nice -n 10 python -m gradwire simulate --workers 4 --steps 1500 --batch-size 16 --optimizer adamw --lr 2e-3 \
+        --eval-every 100 --seed "$2" --method "$3" --json "docs/lm/local-steps/$1-s$2.json"
+}
+
+W=warmup_steps=300
+TOPK="values=qsgd-ans,indices=rice,collective=allgather"
+SIMS=(
+    "ddp|allreduce"
+    "dense-h16|diloco:sync_every=16,$W"
+    "int8-h16|diloco:sync_every=16,$W+quantize:bits=8"
+    "int4-h16|diloco:sync_every=16,$W+quantize:bits=4"
+    "dense-h32|diloco:sync_every=32,$W"
+    "int4-h32|diloco:sync_every=32,$W+quantize:bits=4,block=512"
+    "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"
+    "topk10-reset|diloco:sync_every=16,$W+topk:density=0.1,$TOPK"
+    "sparseloco3|diloco:sync_every=16,$W,outer_lr=1,outer_momentum=0,decay=0.9+topk:density=0.03,$TOPK"
+    "topk10-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.1,$TOPK"
+    "topk3-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.03,$TOPK"
+    "topk1-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.01,$TOPK"
+    "topk1-step|topk:density=0.01,values=qsgd-ans,indices=rice"
+)
+
+TIMED=(
+    allreduce
+    quantize:bits=8
+    topk:density=0.01,values=qsgd-ans,indices=rice
+    diloco:sync_every=16
+    diloco:sync_every=16+quantize:bits=8
+    diloco:sync_every=16+quantize:bits=4
+    diloco:sync_every=16,fragments=4,overlap=1
+    "diloco:sync_every=16,unsent=model+topk:density=0.01,$TOPK"
+    "diloco:sync_every=16,unsent=model+topk:density=0.03,$TOPK"
+)
+
+case "${1:-}" in
+    sim) sim "$2" "$3" "$4" ;;
+    sims)
+        for seed in 0 1; do
+            for entry in "${SIMS[@]}"; do sim "${entry%%|*}" "$seed" "${entry#*|}"; done
+        done ;;
+    timing)
+        # per-step times of the local phase (DiLoCo without its warm-up, 4 syncs of H = 16 measured),
+        # of the warm-up's exchanges (allreduce, quantize:bits=8), and the compute-only floor; two rounds,
+        # the method order reversed in the second, medians over rounds
+        methods=()
+        for method in "${TIMED[@]}"; do methods+=(--method "$method"); done
+        python -m gradwire bench e2e --model gpt --optimizer adamw --batch-size 16 --workers 4 \
+            --bandwidths "$2" --rounds 2 --steps 64 --warmup-steps 16 --out "$3" "${methods[@]}" ;;
+    *) sed -n 2,8p "$0"; exit 2 ;;
+esac
