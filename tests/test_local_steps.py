@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradwire
 from gradwire.local_steps import DiLoCo, assign_fragments, fragment_due, layers_of
 
 from .distributed import run_workers, run_workers_some_die
