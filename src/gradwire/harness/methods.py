@@ -33,6 +33,7 @@ HOOK_KEYS = {
     "ef": ("error_feedback", "bool"),
     "momentum_correction": ("momentum_correction", float),
     "warmup_steps": ("warmup_steps", int),
+    "residuals": ("residual_dtype", str),
     "seed": ("seed", int),
     "hierarchy": ("hierarchy", "hierarchy"),
     "link_gbit": ("link_gbit", float),
@@ -48,7 +49,7 @@ HOOK_KEYS = {
 }
 TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": {}, "allreduce": {}}
 #: ``quantize:bits=8,block=128``: gradwire's dense AllReduce of int8/int4 blocks (error feedback on)
-QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "warmup_steps": int}
+QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "warmup_steps": int, "residuals": str}
 PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}
 
 
@@ -78,6 +79,8 @@ class MethodSpec:
                        "quantize_block": chosen.get("block", 128), "error_feedback": chosen.get("ef", True)}
             if "warmup_steps" in chosen:
                 options["warmup_steps"] = chosen["warmup_steps"]
+            if "residuals" in chosen:
+                options["residual_dtype"] = chosen["residuals"]
             return options
         options: dict[str, Any] = {"compressor": self.communication.name}
         codec_options: dict[str, Any] = {}
