@@ -11,10 +11,10 @@ flat layout of its reduce-scatter (:mod:`gradwire.fsdp.layout`).
 what ``gradwire.fsdp.compress`` does on W ranks, with W simulated workers:
 
 * ``quantize="int8" | "int4"``: each worker adds its residual to its flat gradient, quantizes every
-  destination chunk blockwise (:func:`gradwire.exchange.blockquant.roundtrip`, blocks from each
-  chunk's start) and keeps ``x - D(Q(x))`` as its residual; each owner sums the dequantized chunks
-  in worker order, in float32 (``block_size=None``: one scale per parameter chunk, the per-tensor
-  comparison);
+  destination chunk blockwise (:func:`gradwire.exchange.blockquant.roundtrip`, blocks restarting
+  at every parameter's piece of the chunk) and keeps ``x - D(Q(x))`` as its residual; each owner
+  sums the dequantized chunks in worker order, in float32 (``block_size=None``: one scale per
+  parameter chunk, the per-tensor comparison);
 * a sparsifier (``compressor="topk"``, ``density=``): each worker selects per (parameter,
   destination) piece from ``grad + residual`` with the library's sparsifier, codes the values with
   the value codec (what the owner decodes is what it sums, and what the sender subtracts), keeps
@@ -144,14 +144,10 @@ class ShardedReduce:
         total: Optional[Tensor] = None
         for w, flat in enumerate(flats):
             x = self._compensated(w, unit, flat).reshape(self.workers, -1)
-            if self.block_size is None:  # one scale per parameter chunk
-                local = torch.empty_like(x)
-                for piece in layout.pieces(shapes, self.workers)[: len(shapes)]:
-                    lo, hi = piece.offset, piece.offset + piece.numel
-                    _, local[:, lo:hi] = roundtrip(x[:, lo:hi].contiguous(), bits=self.bits,
-                                                   block_size=max(1, piece.numel))
-            else:
-                _, local = roundtrip(x, bits=self.bits, block_size=self.block_size)
+            # blocks restart at every parameter's chunk, as the core's quantized reduce-scatter does
+            segments = [layout.chunk_numel(shape, self.workers) for shape in shapes]
+            block = max(segments) if self.block_size is None else self.block_size  # None: one scale per chunk
+            _, local = roundtrip(x, bits=self.bits, block_size=max(1, block), segments=segments)
             self._keep(w, unit, (x - local).reshape(-1))
             total = local.reshape(-1).clone() if total is None else total + local.reshape(-1)
         assert total is not None
