@@ -170,6 +170,8 @@ class Planner:
 
     def plan(self, group: Group, step: int) -> Plan:
         config = self.config
+        if group.sharded:  # FSDP2's reduce-scatter (strategies/reduce_scatter.py)
+            return plan_shard_group(config, self.sparsifier, group, step)
         if config.quantize is not None and step >= config.warmup_steps:
             return Plan("quantized", NO_SELECTION)
         if self.sparsifier is None or step < config.warmup_steps or config.collective == "dense":
@@ -224,3 +226,16 @@ class Planner:
                                sparse_allreduce=config.index_codec.lossless, local_size=self.local_size())
             self.choices[signature] = choose_strategy(self.calibration, costs, intra=IN_NODE_LINK)
         return self.choices[signature]
+
+
+def plan_shard_group(config: ExchangeConfig, sparsifier: Optional[Sparsifier], group: Group, step: int) -> Plan:
+    """A shard group's reduce-scatter (strategies/reduce_scatter.py): quantized when ``quantize`` is
+    set, sparse with a sparsifier (selection per entry, i.e. per parameter and destination; none
+    on a non-finite rank, which announces NaN instead), else, and during the warm-up, dense."""
+    if step < config.warmup_steps:
+        return Plan("dense-reduce-scatter", NO_SELECTION)
+    if config.quantize is not None:
+        return Plan("quantized-reduce-scatter", NO_SELECTION)
+    if sparsifier is None or config.collective == "dense":
+        return Plan("dense-reduce-scatter", NO_SELECTION)
+    return Plan("sparse-reduce-scatter", SELECT if group.finite else NO_SELECTION)
