@@ -128,6 +128,11 @@ def worker_compare(rank: int, world_size: int, options: dict, steps: int, settin
             "residual_bytes": stats["residual_bytes"]}
 
 
+def worker_cases(rank: int, world_size: int, cases: list[tuple[dict, int, dict]]) -> list[dict]:
+    """:func:`worker_compare` for several (options, steps, setting) cases in one launch."""
+    return [worker_compare(rank, world_size, options, steps, setting) for options, steps, setting in cases]
+
+
 def _same_parameters(results: list[dict]) -> None:
     assert len({r["parameters"] for r in results}) == 1, "the gathered parameters differ between ranks"
 
@@ -135,17 +140,17 @@ def _same_parameters(results: list[dict]) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_lossless_setting_equals_plain_fsdp2(world_size: int) -> None:
-    results = run_workers(worker_compare, world_size, LOSSLESS, 3, {}, timeout=240)
+    results = run_workers(worker_compare, world_size, LOSSLESS, 2, {}, timeout=240)
     for result in results:
         assert max(result["grad_diffs"]) < 1e-6 and max(result["param_diffs"]) < 1e-6, result
-        assert result["steps"] == 3
+        assert result["steps"] == 2
     _same_parameters(results)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_compressed_settings_train_and_keep_every_rank_alike(name: str) -> None:
-    results = run_workers(worker_compare, 3, SETTINGS[name], 30, {}, timeout=240)
+    results = run_workers(worker_compare, 3, SETTINGS[name], 20, {}, timeout=240)
     for result in results:
         losses, plain = result["losses"], result["plain_losses"]
         assert sum(losses[-5:]) < 0.75 * sum(losses[:5]), losses  # it learns, about as plain FSDP2 does
@@ -155,36 +160,41 @@ def test_compressed_settings_train_and_keep_every_rank_alike(name: str) -> None:
     _same_parameters(results)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("setting", [{"force_sum": True}, {"divide_factor": 3.0}, {"force_sum": True, "divide_factor": 5.0}],
-                         ids=["sum", "premul-sum", "sum-and-factor"])
-def test_sum_and_divide_factors_match_plain_fsdp2(setting: dict) -> None:
-    for result in run_workers(worker_compare, 2, LOSSLESS, 2, setting, timeout=240):
-        assert max(result["grad_diffs"]) < 1e-6, result
+FACTORS = [{"force_sum": True}, {"divide_factor": 3.0}, {"force_sum": True, "divide_factor": 5.0}]
 
 
 @pytest.mark.timeout(300)
-def test_bf16_reduce_dtype_matches_plain_fsdp2_to_bf16_precision() -> None:
-    results = run_workers(worker_compare, 3, LOSSLESS, 3, {"bf16": True}, timeout=240)
-    for result in results:  # plain sums in bf16, gradwire in float32: a few bf16 ulps apart
-        assert max(result["grad_diffs"]) < 2e-2 and max(result["param_diffs"]) < 2e-2, result
-    _same_parameters(results)
+def test_sum_divide_factors_and_a_bf16_reduce_dtype_match_plain_fsdp2() -> None:
+    """op SUM (FSDP divides), PREMUL_SUM (a factor: gradwire divides), both; and bf16 reduction."""
+    cases = [(LOSSLESS, 2, setting) for setting in FACTORS] + [(LOSSLESS, 3, {"bf16": True})]
+    results = run_workers(worker_cases, 3, cases, timeout=280)
+    for per_rank in results:
+        for setting, result in zip(FACTORS, per_rank):
+            assert max(result["grad_diffs"]) < 1e-6, (setting, result)
+        bf16 = per_rank[-1]  # plain sums in bf16, gradwire in float32: a few bf16 ulps apart
+        assert max(bf16["grad_diffs"]) < 2e-2 and max(bf16["param_diffs"]) < 2e-2, bf16
+    for case in range(len(cases)):
+        _same_parameters([per_rank[case] for per_rank in results])
+
+
+HSDP_CASES = {"lossless": LOSSLESS, "int8": SETTINGS["int8"], "topk": SETTINGS["topk"]}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("options", [LOSSLESS, SETTINGS["int8"], SETTINGS["topk"]], ids=["lossless", "int8", "topk"])
-def test_hsdp_on_a_2x2_mesh_compresses_the_allreduce_across_replicas(options: dict) -> None:
-    results = run_workers(worker_compare, 4, options, 12 if options is not LOSSLESS else 3, {"hsdp": True},
-                          timeout=280)
-    for result in results:
-        assert result["native_allreduces"] == 0, "FSDP2's dense HSDP all-reduce still ran"
-        if options is LOSSLESS:
-            assert max(result["grad_diffs"]) < 1e-6 and max(result["param_diffs"]) < 1e-6, result
-        else:
-            assert sum(result["losses"][-3:]) < sum(result["losses"][:3]), result["losses"]
-        if "quantize" in options:  # (a sparse exchange of these tiny tensors is mostly headers)
-            assert result["bytes_sent"] < 0.5 * result["bytes_dense"], result
-    _same_parameters(results)
+def test_hsdp_on_a_2x2_mesh_compresses_the_allreduce_across_replicas() -> None:
+    cases = [(options, 3 if name == "lossless" else 12, {"hsdp": True}) for name, options in HSDP_CASES.items()]
+    results = run_workers(worker_cases, 4, cases, timeout=280)
+    for per_rank in results:
+        for name, result in zip(HSDP_CASES, per_rank):
+            assert result["native_allreduces"] == 0, f"{name}: FSDP2's dense HSDP all-reduce still ran"
+            if name == "lossless":
+                assert max(result["grad_diffs"]) < 1e-6 and max(result["param_diffs"]) < 1e-6, result
+            else:
+                assert sum(result["losses"][-3:]) < sum(result["losses"][:3]), (name, result["losses"])
+            if name == "int8":  # (a sparse exchange of these tiny tensors is mostly headers)
+                assert result["bytes_sent"] < 0.5 * result["bytes_dense"], result
+    for case in range(len(cases)):
+        _same_parameters([per_rank[case] for per_rank in results])
 
 
 # ------------------------------------------------------------------------------ failures
@@ -390,17 +400,20 @@ def worker_checkpoint(rank: int, world_size: int, options: dict) -> dict:
             "dtypes": sorted({str(t.dtype) for t in saved["residuals"].values()}), "names": sorted(saved["residuals"])}
 
 
+def worker_checkpoints(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    return [worker_checkpoint(rank, world_size, options) for options in cases]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("options", [SETTINGS["int8"], {**SETTINGS["topk"], "residual_dtype": "bfloat16"}],
-                         ids=["int8", "topk-bf16-residuals"])
-def test_checkpoint_round_trips_per_rank_and_refuses_another_ranks(options: dict) -> None:
-    results = run_workers(worker_checkpoint, 2, options, timeout=240)
-    dtype = "torch.bfloat16" if options.get("residual_dtype") == "bfloat16" else "torch.float32"
-    for result in results:
-        assert result["iteration"] == 2 and result["same"], result
-        assert result["refused"] is not None and "belongs to rank" in result["refused"], result
-        assert result["dtypes"] == [dtype]
-        assert "0.weight#0" in result["names"] and "0.weight#1" in result["names"]
+def test_checkpoint_round_trips_per_rank_and_refuses_another_ranks() -> None:
+    cases = [SETTINGS["int8"], {**SETTINGS["topk"], "residual_dtype": "bfloat16"}]
+    for per_rank in run_workers(worker_checkpoints, 2, cases, timeout=240):
+        for options, result in zip(cases, per_rank):
+            dtype = "torch.bfloat16" if options.get("residual_dtype") == "bfloat16" else "torch.float32"
+            assert result["iteration"] == 2 and result["same"], result
+            assert result["refused"] is not None and "belongs to rank" in result["refused"], result
+            assert result["dtypes"] == [dtype]
+            assert "0.weight#0" in result["names"] and "0.weight#1" in result["names"]
 
 
 # -------------------------------------------------------------------------------- the API

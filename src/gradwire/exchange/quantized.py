@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .blockquant import check_options, dequantize, roundtrip
+from ..lifetime import track
 from .checked import allgather_tensor, group_rank, group_size, wait_checked
 
 WHAT_REDUCE_SCATTER = "quantized_reduce_scatter"
@@ -82,6 +83,9 @@ class QuantizedReduceScatterResult:
         chunks_sent: ``(p, Q)`` uint8, the quantized chunk this rank sent to each rank (row j to rank j).
         chunks_received: ``(p, Q)`` uint8, the chunk this rank received from each rank (row r from
             rank r); with ``chunks_sent`` what a caller can check the transfer by (a digest).
+        works: the collective's ``Work`` (tracked, :mod:`gradwire.lifetime`), which the caller
+            holds until it starts its next exchange: not the queue of recent works, where 16 calls'
+            chunks would stay alive.
     """
 
     shard: torch.Tensor
@@ -90,6 +94,7 @@ class QuantizedReduceScatterResult:
     sent_by_collective: dict[str, int] = field(default_factory=dict)
     chunks_sent: Optional[torch.Tensor] = None
     chunks_received: Optional[torch.Tensor] = None
+    works: tuple = ()
 
     @property
     def bytes_sent(self) -> int:
@@ -145,9 +150,11 @@ def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
     _check_flat(input, WHAT_REDUCE_SCATTER)
     if input.numel() % size:
         raise ValueError(f"{WHAT_REDUCE_SCATTER}: input of {input.numel()} values is not {size} equal chunks")
+    works: list = []
     shard, error, sent, (packed, received) = _reduce_scatter(input.reshape(size, -1), bits, block_size, group, size,
-                                                             WHAT_REDUCE_SCATTER, segments)
-    return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent, packed, received)
+                                                             WHAT_REDUCE_SCATTER, segments, works)
+    return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent, packed, received,
+                                        tuple(works))
 
 
 def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
@@ -190,10 +197,12 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
 
 
 def _reduce_scatter(chunks: torch.Tensor, bits: int, block_size: int, group: Optional[dist.ProcessGroup],
-                    size: int, what: str, segments: Optional[Sequence[int]] = None
+                    size: int, what: str, segments: Optional[Sequence[int]] = None, held: Optional[list] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int], tuple[torch.Tensor, torch.Tensor]]:
     """Steps 1-3 on ``chunks`` ``(p, s)`` float32: the owner's rank-order sum ``(s,)``, this rank's
-    local error ``(p, s)``, the bytes sent, and the ``(p, Q)`` uint8 chunks sent and received."""
+    local error ``(p, s)``, the bytes sent, and the ``(p, Q)`` uint8 chunks sent and received.
+    ``held``: a list the collective's Work is appended to (the caller holds it), else the queue of
+    recent works keeps it."""
     s = chunks.shape[1]
     packed, local = roundtrip(chunks, bits=bits, block_size=block_size, segments=segments)  # (p, Q), (p, s)
     error = chunks - local
@@ -202,7 +211,10 @@ def _reduce_scatter(chunks: torch.Tensor, bits: int, block_size: int, group: Opt
     else:
         received = torch.empty_like(packed)
         work = dist.all_to_all_single(received.reshape(-1), packed.reshape(-1), group=group, async_op=True)
-        wait_checked(work, what, "reduce-scatter all_to_all_single")
+        if held is not None:  # the caller holds it (see QuantizedReduceScatterResult.works)
+            track(work)
+            held.append(work)
+        wait_checked(work, what, "reduce-scatter all_to_all_single", keep=held is None)
     decoded = dequantize(received, s, bits=bits, block_size=block_size, segments=segments)  # row r: from rank r
     # a loop over ranks, not values: p ordered adds, where a sum over dim 0 leaves the order to the backend
     shard = decoded[0].clone()

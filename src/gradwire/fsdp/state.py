@@ -117,7 +117,7 @@ class FSDPCompressionState:
     """
 
     def __init__(self, model: nn.Module, config: ExchangeConfig) -> None:
-        _check_options(config)
+        check_config(config)
         self.config = config
         self.model = model
         self.units, self.process_group = _units(model)
@@ -307,7 +307,8 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, **opt
 
 
 # --------------------------------------------------------------------------------- FSDP's side
-def _check_options(config: ExchangeConfig) -> None:
+def check_config(config: ExchangeConfig) -> None:
+    """``ValueError`` for an option FSDP's reduce-scatter cannot honour (before any rank starts)."""
     if config.scope != "layer":
         raise ValueError("scope='global' does not apply to FSDP: each module's reduce-scatter is its own round")
     if config.hierarchy is not None:

@@ -96,7 +96,8 @@ class ShardedReduce:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         position = {n: i for i, n in enumerate(names)}
         shapes = dict(model.named_parameters())
-        self.units = [[position[n] for n in unit_names if n in position] for _, unit_names in unit_parameters(model)]
+        self.units = [members for members in ([position[n] for n in unit_names if n in position]
+                                              for _, unit_names in unit_parameters(model)) if members]
         self.shapes = [tuple(shapes[n].shape) for n in names]
         self.workers = workers
         self.bits = {None: None, "int8": 8, "int4": 4}[quantize]

@@ -47,6 +47,7 @@ from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.checked import wait_checked
 from ...exchange.quantized import quantized_reduce_scatter
 from ...exchange.sparse_reduce_scatter import RegionStatus, sparse_reduce_scatter
+from ...lifetime import track
 from ...sparsify.base import Sparsifier
 from ..digest import balanced_share, chain_share, digest_of
 from ..feedback import ErrorFeedback
@@ -67,8 +68,12 @@ class ShardStrategy(ExchangeStrategy):
         super().__init__(context)
         #: per replicate group: its context and the family's AllReduce strategy over it
         self._replicas: dict[int, tuple[ExchangeContext, ExchangeStrategy]] = {}
+        #: the last call's large collectives' Works (and so their buffers), held until the next
+        #: call rather than in gradwire.lifetime's queue of recent works (16 calls' gradients)
+        self.held: list = []
 
     def start(self, group: Group) -> Exchange:
+        self.held = []
         run_guarded(group, lambda: self._run(group))
         return Exchange(self.context, group)
 
@@ -175,7 +180,11 @@ class DenseReduceScatter(ShardStrategy):
                 work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=target.group, async_op=True)
             except RuntimeError as error:
                 raise collective_failed("reduce_scatter_tensor (dense)", self.context.step, error) from error
-            wait_checked(work, f"dense reduce-scatter of step {self.context.step}", "reduce_scatter_tensor")
+            track(work)
+            self.held.append(work)
+            with self.context.stats.timer("communicate"):
+                wait_checked(work, f"dense reduce-scatter of step {self.context.step}", "reduce_scatter_tensor",
+                             keep=False)
         else:
             shard.copy_(flat)
         group.balanced_digest, group.digest = True, 0
@@ -213,12 +222,14 @@ class QuantizedReduceScatter(ShardStrategy):
             if not group.finite:  # owner 0 decodes a NaN block: every rank learns it at the agreement
                 flat[:1] = math.nan
         try:
-            result = quantized_reduce_scatter(flat, bits=self.bits, block_size=self.block_size, group=target.group,
-                                              segments=_segments(group))
+            with context.stats.timer("communicate"):
+                result = quantized_reduce_scatter(flat, bits=self.bits, block_size=self.block_size,
+                                                  group=target.group, segments=_segments(group))
         except CollectiveError:
             raise
         except RuntimeError as error:
             raise collective_failed("quantized reduce-scatter", context.step, error) from error
+        self.held.extend(result.works)
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_quantized_reduce_scatter_buckets", 1)
         with context.stats.timer("decode"):
@@ -261,10 +272,11 @@ class SparseReduceScatter(ShardStrategy):
                 values = torch.full((1,), math.nan, device=target.device)
         self.codec.error = None
         bounds = target.boundaries()
-        try:
-            result = sparse_reduce_scatter(indices=positions, values=values, numel=group.numel, boundaries=bounds,
-                                           group=target.group, codec=self.codec,
-                                           what=f"sparse reduce-scatter of step {context.step}")
+        try:  # (encoding and decoding happen inside: timed as communication here)
+            with context.stats.timer("communicate"):
+                result = sparse_reduce_scatter(indices=positions, values=values, numel=group.numel,
+                                               boundaries=bounds, group=target.group, codec=self.codec,
+                                               what=f"sparse reduce-scatter of step {context.step}")
         except (DecodeError, CollectiveError) as error:
             raise (self.codec.error or error)
         except RuntimeError as error:
