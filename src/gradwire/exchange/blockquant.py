@@ -156,12 +156,10 @@ def _scales_and_codes(x: torch.Tensor, bits: int, block_size: int,
     """Per-block float32 scales ``(..., nb)`` and int8 codes ``(..., n)`` in ``[-L, L]``."""
     level = LEVELS[bits]
     n = x.shape[-1]
-    if segments is not None:
-        slots, kept, _ = _segment_index(n, block_size, segments, x.device)
-        # position n of the padded row is a zero: a short block's padding, as below
-        blocks = F.pad(x, (0, 1))[..., slots].reshape(*x.shape[:-1], -1, block_size)
-        scales, codes = _quantize_blocks(blocks, level)
-        return scales, codes.reshape(*x.shape[:-1], -1)[..., kept]
+    if segments is not None:  # each segment padded to whole blocks, quantized as one row of blocks
+        padded = _pad_segments(x, block_size, segments)
+        scales, codes = _quantize_blocks(padded.reshape(*x.shape[:-1], -1, block_size), level)
+        return scales, _unpad_segments(codes.reshape(*x.shape[:-1], -1), block_size, segments)
     blocks_per_row = math.ceil(n / block_size)
     # zeros do not change a block's absmax, so padding the last block is harmless
     blocks = F.pad(x, (0, blocks_per_row * block_size - n)).reshape(*x.shape[:-1], blocks_per_row, block_size)
@@ -181,31 +179,35 @@ def _quantize_blocks(blocks: torch.Tensor, level: int) -> tuple[torch.Tensor, to
     return scales, codes.to(torch.int8)
 
 
-def _segment_index(n: int, block_size: int, segments: Sequence[int],
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For blocks that restart at every segment: ``slots`` ``(nb block_size,)``, the position each
-    block slot reads (``n``: padding); ``kept`` ``(n,)``, the slot of each position; ``block_of``
-    ``(n,)``, the block of each position."""
-    block_count(n, block_size, segments)  # checks the lengths
-    lengths = torch.tensor(list(segments), dtype=torch.int64, device=device)
-    starts = torch.cumsum(lengths, 0) - lengths
-    blocks = (lengths + block_size - 1) // block_size
-    first_block = torch.cumsum(blocks, 0) - blocks
-    segment_of = torch.repeat_interleave(torch.arange(len(segments), device=device), lengths)
-    within = torch.arange(n, device=device) - starts[segment_of]
-    block_of = first_block[segment_of] + within // block_size
-    kept = block_of * block_size + within % block_size
-    slots = torch.full((int(blocks.sum()) * block_size,), n, dtype=torch.int64, device=device)
-    slots[kept] = torch.arange(n, device=device)
-    return slots, kept, block_of
+def _pad_segments(x: torch.Tensor, block_size: int, segments: Sequence[int]) -> torch.Tensor:
+    """``x`` ``(..., n)`` with every segment padded with zeros to whole blocks: ``(..., nb block_size)``
+    (zeros do not change a block's absmax). One copy; a loop over segments, not values."""
+    block_count(x.shape[-1], block_size, segments)  # checks the lengths
+    pieces, start = [], 0
+    for length in segments:
+        piece = x[..., start: start + length]
+        pad = -length % block_size
+        pieces.append(F.pad(piece, (0, pad)) if pad else piece)
+        start += length
+    return torch.cat(pieces, dim=-1) if pieces else x[..., :0]
+
+
+def _unpad_segments(padded: torch.Tensor, block_size: int, segments: Sequence[int]) -> torch.Tensor:
+    """Undo :func:`_pad_segments`: ``(..., n)``."""
+    pieces, start = [], 0
+    for length in segments:
+        pieces.append(padded[..., start: start + length])
+        start += length + (-length % block_size)
+    return torch.cat(pieces, dim=-1) if pieces else padded[..., :0]
 
 
 def _scaled(codes: torch.Tensor, scales: torch.Tensor, n: int, block_size: int,
             segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``code * scale`` per value: float32 ``(..., n)``."""
     if segments is not None:
-        _, _, block_of = _segment_index(n, block_size, segments, codes.device)
-        return codes.to(torch.float32) * scales[..., block_of]
+        padded = _pad_segments(codes, block_size, segments).reshape(*codes.shape[:-1], -1, block_size)
+        values = padded.to(torch.float32) * scales.unsqueeze(-1)
+        return _unpad_segments(values.reshape(*codes.shape[:-1], -1), block_size, segments)
     blocks_per_row = scales.shape[-1]
     padded = F.pad(codes, (0, blocks_per_row * block_size - n)).reshape(*codes.shape[:-1], blocks_per_row, block_size)
     values = padded.to(torch.float32) * scales.unsqueeze(-1)
