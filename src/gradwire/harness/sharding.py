@@ -64,6 +64,47 @@ def unit_parameters(model: nn.Module) -> list[tuple[str, list[str]]]:
     return out
 
 
+class TimedPlainReduceScatter:
+    """Plain FSDP2's reduce-scatter (``reduce_scatter_tensor``, FSDP's op, blocking as FSDP2 calls
+    it on CPU), timed: installed on every unit for ``gradwire train --fsdp``'s ``allreduce``, so its
+    communication phase can be compared with gradwire's. ``stats()`` looks like gradwire's."""
+
+    def __init__(self, model: nn.Module, bytes_per_step: float) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        from ..lifetime import wait_for
+
+        timed = self
+
+        class Timed(ReduceScatter):
+            def allocate(self, size: object, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+                return torch.empty(*size, dtype=dtype, device=device)  # type: ignore[misc]
+
+            def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: object, op: object,
+                         async_op: bool = False) -> None:
+                import time
+
+                import torch.distributed as dist
+
+                started = time.perf_counter()
+                work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+                wait_for(work, None, "reduce_scatter_tensor (plain FSDP2)")
+                timed.seconds += time.perf_counter() - started
+                return None
+
+        self.seconds, self.last_seconds, self.bytes_per_step = 0.0, 0.0, bytes_per_step
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
+                module.set_custom_reduce_scatter(Timed())
+
+    def stats(self) -> dict[str, float]:
+        """Seconds in the reduce-scatters since the last call, and the step's bytes."""
+        self.last_seconds, self.seconds = self.seconds, 0.0
+        return {"seconds_sparsify": 0.0, "seconds_encode": 0.0, "seconds_decode": 0.0,
+                "seconds_communicate": self.last_seconds, "bytes_sent": self.bytes_per_step}
+
+
 def shard(model: nn.Module, mesh: "object | None" = None, **options: object) -> nn.Module:
     """``fully_shard`` every unit of ``model`` (in place) on ``mesh`` (None: the world, 1-D)."""
     from torch.distributed.fsdp import fully_shard

@@ -23,8 +23,9 @@ models, whose headline it is: ``metric`` says which number the tables show).
 floor that communication overhead is measured against.
 
 ``fsdp=True`` trains FSDP2 instead of DDP: every unit of :func:`~.sharding.units` is
-``fully_shard``-ed (1-D, over every rank); ``allreduce`` is then plain FSDP2 (its reduce-scatter),
-a gradwire method installs ``gradwire.fsdp.compress`` with the method's options. Each summary
+``fully_shard``-ed (1-D, over every rank); ``allreduce`` is then plain FSDP2 (its reduce-scatter,
+timed: :class:`~.sharding.TimedPlainReduceScatter`), a gradwire method installs
+``gradwire.fsdp.compress`` with the method's options. Each summary
 then also holds ``peak_rss_mb`` (every rank's peak resident memory, MiB, of the whole process) and
 ``residual_mb`` (rank 0's error-feedback residuals at the end, MiB).
 """
@@ -250,12 +251,11 @@ def _wrap_fsdp(module: torch.nn.Module, spec: MethodSpec) -> tuple[Sharded, Any,
     dense = sum((world - 1) * layout.shard_numel([tuple(shapes[n].shape) for n in names], world) * 4
                 for _, names in sharding.unit_parameters(module) if names)
     model = sharding.shard(module)
-    state = None
-    if spec.communication.name != "allreduce":
-        import gradwire.fsdp
+    if spec.communication.name == "allreduce":  # plain FSDP2's reduce-scatter, timed
+        return Sharded(model), sharding.TimedPlainReduceScatter(model, float(dense)), float(dense)
+    import gradwire.fsdp
 
-        state = gradwire.fsdp.compress(model, **spec.hook_options())
-    return Sharded(model), state, float(dense)
+    return Sharded(model), gradwire.fsdp.compress(model, **spec.hook_options()), float(dense)
 
 
 def _peak_rss_mb() -> float:
@@ -350,7 +350,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64, device=device)
     every_rss = [torch.empty_like(rss) for _ in range(world)]
     wait_for(dist.all_gather(every_rss, rss, async_op=True), None, "AllGather of peak memory")
-    residual_mb = holder["state"].stats().get("residual_bytes", 0.0) / 2**20 if holder["state"] is not None else 0.0
+    residual_mb = (holder["state"].stats().get("residual_bytes", 0.0) / 2**20
+                   if holder["state"] is not None and config.fsdp else 0.0)
     summary = {
         "method": spec_text,
         "status": status,
@@ -463,8 +464,6 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                                "seconds_decompress": stats["seconds_decode"], "bytes_sent": stats["bytes_sent"]})
                 # buckets per strategy so far: which exchange ``auto`` took
                 record.update({key: value for key, value in stats.items() if key.endswith("_buckets")})
-            elif config.fsdp:  # plain FSDP2: its reduce-scatter
-                record["bytes_sent"] = holder["plain_fsdp_bytes"]
             else:
                 parameters = sum(p.numel() for p in ddp.parameters() if p.requires_grad)
                 record["bytes_sent"] = _hook_bytes_per_step(spec, parameters, world)
