@@ -128,12 +128,15 @@ class ShardedReduce:
         value_codec, index_codec: the sparse payload's codecs (the index codec must be lossless).
         error_feedback: keep what was not sent, per worker.
         residual_dtype: the residuals' storage dtype (float32 or bfloat16).
+        seed: the sparsifier's seed.
+        aligned: quantization blocks restart at every parameter's chunk, as the core's do (False:
+            blocks from each destination chunk's start, straddling parameters: the comparison).
     """
 
     def __init__(self, model: nn.Module, workers: int, *, quantize: Optional[str] = None,
                  block_size: Optional[int] = 128, compressor: str = "none", density: Optional[float] = None,
                  value_codec: str = "fp32", index_codec: str = "rice", error_feedback: bool = True,
-                 residual_dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+                 residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True) -> None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         position = {n: i for i, n in enumerate(names)}
         shapes = dict(model.named_parameters())
@@ -148,6 +151,7 @@ class ShardedReduce:
         values, indices = codec_layer.resolve_codecs(value_codec, index_codec, {})
         self.codec = RegionCodecAdapter(index_codec=indices, value_codec=values)
         self.error_feedback = error_feedback
+        self.aligned = aligned
         self.residual_dtype = residual_dtype
         #: residuals[w][unit]: worker w's residual over the unit's flat gradient
         self.residuals: list[dict[int, Tensor]] = [{} for _ in range(workers)]
@@ -189,7 +193,8 @@ class ShardedReduce:
             # blocks restart at every parameter's chunk, as the core's quantized reduce-scatter does
             segments = [layout.chunk_numel(shape, self.workers) for shape in shapes]
             block = max(segments) if self.block_size is None else self.block_size  # None: one scale per chunk
-            _, local = roundtrip(x, bits=self.bits, block_size=max(1, block), segments=segments)
+            _, local = roundtrip(x, bits=self.bits, block_size=max(1, block),
+                                 segments=segments if self.aligned else None)
             self._keep(w, unit, (x - local).reshape(-1))
             total = local.reshape(-1).clone() if total is None else total + local.reshape(-1)
         assert total is not None
