@@ -73,8 +73,9 @@ def _mesh(hsdp: bool) -> Any:
 
 def worker_compare(rank: int, world_size: int, options: dict, steps: int, setting: dict) -> dict:
     """Train plain FSDP2 and gradwire's side by side; report per-step differences and the losses."""
-    import gradwire.fsdp
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import gradwire.fsdp
 
     fsdp_options: dict[str, Any] = {}
     if setting.get("bf16"):

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .. import codecs as codec_layer
 from ..codecs.base import IndexCodec, ValueCodec
@@ -21,6 +21,9 @@ from ..errors import check_choice, is_integer
 from ..exchange import COLLECTIVES
 from ..sparsify import get_sparsifier, sparsifiers
 from ..sparsify.base import Sparsifier
+
+if TYPE_CHECKING:
+    import torch
 
 SCOPES = ("layer", "global")
 NONFINITE_POLICIES = ("raise", "skip")

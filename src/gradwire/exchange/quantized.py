@@ -63,8 +63,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .blockquant import check_options, dequantize, roundtrip
 from ..lifetime import track
+from .blockquant import check_options, dequantize, roundtrip
 from .checked import allgather_tensor, group_rank, group_size, wait_checked
 
 WHAT_REDUCE_SCATTER = "quantized_reduce_scatter"

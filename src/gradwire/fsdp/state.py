@@ -332,7 +332,10 @@ def _param_group(module: FSDPModule) -> Any:
 
 def _units(model: nn.Module) -> tuple[list[_Unit], Optional[dist.ProcessGroup]]:
     """Every FSDP module with parameters, and the process group their rounds agree over."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+    )
 
     index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     modules = {id(m): n for n, m in model.named_modules()}

@@ -32,11 +32,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .. import codecs as codec_layer
 from ..core.strategies.sparse_allreduce import RegionCodecAdapter
 from ..exchange.blockquant import roundtrip
 from ..fsdp import layout
 from ..sparsify import get_sparsifier
-from .. import codecs as codec_layer
 
 _BLOCK_NAMES = ("TransformerEncoderLayer", "TransformerDecoderLayer")
 

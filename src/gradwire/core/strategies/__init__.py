@@ -15,7 +15,12 @@ from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 from .hierarchical import HierarchicalExchange, local_size_of
 from .quantized import QuantizedAllReduce
-from .reduce_scatter import DenseReduceScatter, QuantizedReduceScatter, SparseReduceScatter, shard_strategies
+from .reduce_scatter import (
+    DenseReduceScatter,
+    QuantizedReduceScatter,
+    SparseReduceScatter,
+    shard_strategies,
+)
 from .shared_support import SharedSupportAllReduce
 from .sparse_allreduce import SparseAllReduce
 
