@@ -34,18 +34,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import (
-    CollectiveError,
-    DivergenceError,
-    NonFiniteGradientError,
-    StepFailedError,
-    collective_failed,
-)
+from ..errors import CollectiveError, DivergenceError, NonFiniteGradientError, StepFailedError, collective_failed
 from ..exchange.collectives import communication_device
 from ..lifetime import wait_for
 from .config import ExchangeConfig
-from .digest import agree as digests_agree
-from .digest import combine, digest_of, xor
+from .digest import agree as digests_agree, combine, digest_of, xor
 from .feedback import ErrorFeedback
 from .group import Group, Status
 from .stats import ExchangeStats
