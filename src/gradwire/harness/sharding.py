@@ -131,12 +131,14 @@ class ShardedReduce:
         seed: the sparsifier's seed.
         aligned: quantization blocks restart at every parameter's chunk, as the core's do (False:
             blocks from each destination chunk's start, straddling parameters: the comparison).
+        warmup_steps: the exact mean for the first N steps (the core's dense reduce-scatter).
     """
 
     def __init__(self, model: nn.Module, workers: int, *, quantize: Optional[str] = None,
                  block_size: Optional[int] = 128, compressor: str = "none", density: Optional[float] = None,
                  value_codec: str = "fp32", index_codec: str = "rice", error_feedback: bool = True,
-                 residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True) -> None:
+                 residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True,
+                 warmup_steps: int = 0) -> None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         position = {n: i for i, n in enumerate(names)}
         shapes = dict(model.named_parameters())
@@ -152,6 +154,7 @@ class ShardedReduce:
         self.codec = RegionCodecAdapter(index_codec=indices, value_codec=values)
         self.error_feedback = error_feedback
         self.aligned = aligned
+        self.warmup_steps = warmup_steps
         self.residual_dtype = residual_dtype
         #: residuals[w][unit]: worker w's residual over the unit's flat gradient
         self.residuals: list[dict[int, Tensor]] = [{} for _ in range(workers)]
@@ -164,9 +167,10 @@ class ShardedReduce:
             shapes = [self.shapes[i] for i in members]
             flats = [layout.flatten([grads[w][i].float() for i in members], self.workers)
                      for w in range(self.workers)]
-            if self.bits is not None:
+            warming = self.step < self.warmup_steps
+            if self.bits is not None and not warming:
                 total = self._quantized(unit, flats, shapes)
-            elif self.sparsifier is not None:
+            elif self.sparsifier is not None and not warming:
                 total = self._sparse(unit, flats, shapes, members)
             else:
                 total = flats[0].clone()
