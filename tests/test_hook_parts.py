@@ -21,14 +21,15 @@ def test_every_compared_option_reaches_the_description() -> None:
     changes = {"compressor": "sampled-topk", "density": 0.1, "value_codec": "fp16", "index_codec": "rice",
                "codec_options": {"degree": 2}, "error_feedback": False, "momentum_correction": 0.9,
                "scope": "global", "collective": "allgather", "hierarchy": 2, "seed": 7, "warmup_steps": 3,
-               "nonfinite": "skip", "verify": "none", "link_gbit": 10.0, "link_alpha": 1e-5}
+               "nonfinite": "skip", "verify": "none", "link_gbit": 10.0, "link_alpha": 1e-5,
+               "residual_dtype": "bfloat16"}
     compared = {f.name for f in dataclasses.fields(HookConfig) if not f.metadata.get("rank_local")}
     assert compared - {"k", "threshold", "quantize", "quantize_block"} == set(changes)
     dense = HookConfig(compressor="none")  # the quantized exchange is dense: compared on its own base
     assert dense.replace(quantize="int8").describe() != dense.describe()
     assert dense.replace(quantize="int8", quantize_block=64).describe() != dense.replace(quantize="int8").describe()
     # options added later are left out at their default: older checkpoints' option hash still matches
-    assert "quantize" not in base.describe()
+    assert "quantize" not in base.describe() and "residual_dtype" not in base.describe()
     for name, value in changes.items():
         if name == "codec_options":
             changed = HookConfig(compressor="topk", density=0.05, value_codec="polyfit", codec_options=value)

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allreduce (default), a gradwire compressor or quantize spec (per-step), or "
                              "diloco:sync_every=N,...[+compressor] (gradwire train --help lists the keys)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON")
+    parser.add_argument("--fsdp", default=None, metavar="SPEC",
+                        help="reduce as gradwire.fsdp's compressed reduce-scatter per FSDP unit does, with W "
+                             "simulated ranks: 'plain' (FSDP2's fp32 mean), 'quantize:bits=8|4[,block=N,ef=B,"
+                             "residuals=bf16]' or a sparsifier spec, e.g. 'topk:density=0.1,values=fp16,indices=rice'")
+    parser.add_argument("--per-tensor-scales", action="store_true", dest="per_tensor_scales",
+                        help="with --fsdp quantize: one scale per parameter chunk instead of per block (comparison)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -64,12 +70,46 @@ def _check(args: argparse.Namespace) -> None:
     except ValueError as error:  # "lr=-1 must be > 0" -> "--lr=-1 must be > 0"
         name, _, rest = str(error).partition("=")
         raise UsageError(f"--{name.replace('_', '-')}={rest}") from None
+    if args.per_tensor_scales and not (args.fsdp or "").startswith("quantize"):
+        raise UsageError("--per-tensor-scales needs --fsdp quantize:...")
+    if args.fsdp is not None and args.method != "allreduce":
+        raise UsageError(f"--fsdp={args.fsdp} and --method={args.method}: choose one (--fsdp is the per-step "
+                         "reduction of a sharded run; --method a DDP-like or local-steps one)")
+    if args.fsdp is not None:
+        try:
+            _fsdp_options(args.fsdp)
+        except ValueError as error:
+            raise UsageError(f"--fsdp: {error}") from None
     if args.json:
         try:
             with open(args.json, "a"):
                 pass
         except OSError as error:
             raise UsageError(f"--json={args.json!r} cannot be written ({error.strerror or error})") from None
+
+
+def _fsdp_options(text: str) -> dict:
+    """``--fsdp SPEC`` as keywords of :class:`~gradwire.harness.sharding.ShardedReduce`."""
+    import torch
+
+    from ..harness.methods import parse_method
+
+    if text == "plain":
+        return {}
+    options = parse_method(text).hook_options()
+    residuals = options.pop("residual_dtype", "float32")
+    if options.get("quantize") is None and options.get("compressor") in (None, "none"):
+        raise ValueError(f"{text!r} is neither 'plain', quantize:... nor a sparsifier")
+    if options.get("codec_options"):
+        raise ValueError("codec options are not simulated")
+    unknown = set(options) - {"compressor", "density", "value_codec", "index_codec", "error_feedback", "quantize",
+                              "quantize_block", "seed", "warmup_steps"}
+    if unknown:
+        raise ValueError(f"options {sorted(unknown)} are not simulated")
+    if "quantize_block" in options:
+        options["block_size"] = options.pop("quantize_block")
+    return {**options, "residual_dtype": {"float32": torch.float32, "bf16": torch.bfloat16,
+                                          "bfloat16": torch.bfloat16}[residuals]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,8 +131,21 @@ def run(args: argparse.Namespace) -> int:
     fingerprint = workload.info.get("fingerprint", workload.info.get("data", "?"))
     print(f"gradwire simulate: {args.workers} workers x {args.steps} steps, {args.model} on {fingerprint}, "
           f"batch {args.batch_size} per worker, {args.optimizer}", file=sys.stderr, flush=True)
+    reduce = None
+    if args.fsdp is not None:
+        from ..harness.sharding import ShardedReduce
+
+        options = _fsdp_options(args.fsdp)
+        if args.per_tensor_scales:
+            options["block_size"] = None
+        reduce = ShardedReduce(workload.model, args.workers, **options)
+        print(f"gradwire simulate: reduce as gradwire.fsdp {args.fsdp}"
+              f"{' (per-tensor scales)' if args.per_tensor_scales else ''}", file=sys.stderr, flush=True)
     try:
         plugs, counter = _method_plugs(args.method, args.workers, args.steps)
+        if reduce is not None:  # --fsdp (with --method allreduce, _check says): the sharded reduction
+            plugs["reduce"] = reduce
+            counter = lambda: reduce.bytes_sent / args.workers  # noqa: E731 (summed over workers)
         result = simulate(args.workers, args.steps, model=args.model, data=args.data, batch_size=args.batch_size,
                           optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                           eval_every=args.eval_every, workload=workload, log=lambda line: print(line, flush=True),
@@ -117,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
           + (f"; {record['bytes_per_local_step'] / ddp_bytes:.5f} x over the local steps"
              if "bytes_per_local_step" in record else ""))
     if args.json:
+        if args.fsdp is not None:
+            record["fsdp"] = {"spec": args.fsdp, "per_tensor_scales": args.per_tensor_scales}
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=1)
     return 0

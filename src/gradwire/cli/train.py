@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default %(default)s)")
     parser.add_argument("--compute-only", action="store_true", help="forward+backward under no_sync(): no communication")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="FSDP2 instead of DDP: fully_shard every block (and the root); allreduce is plain FSDP2, "
+                             "a gradwire method its compressed reduce-scatter (gradwire.fsdp.compress)")
     parser.add_argument("--no-eval", action="store_true", help="skip the test-set evaluation")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="write metrics-*.jsonl (every step) and summary.json (after every method) here")
@@ -138,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         weight_decay=args.weight_decay, seed=args.seed, threads=args.threads,
         evaluate=not args.no_eval, compute_only=args.compute_only, out=args.out,
         progress=interactive, log_epochs=not interactive,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, fsdp=args.fsdp,
     )
     try:
         config.validate()
@@ -147,7 +150,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(f"{_OPTION_NAMES.get(name, name)}={rest}") from None
     try:
         for spec in config.methods:
-            check_method(spec)
+            check_method(spec, fsdp=args.fsdp)
     except ValueError as error:
         raise UsageError(str(error)) from None
     return config
@@ -156,10 +159,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
 #: TrainConfig field -> the option that sets it, for error messages
 _OPTION_NAMES = {"max_steps": "--steps", "steps_per_epoch": "--steps-per-epoch", "batch_size": "--batch-size",
                  "epochs": "--epochs", "threads": "--threads", "lr": "--lr", "warmup_steps": "--warmup-steps",
-                 "optimizer": "--optimizer", "weight_decay": "--weight-decay"}
+                 "optimizer": "--optimizer", "weight_decay": "--weight-decay", "fsdp": "--fsdp"}
 
 
-def check_method(spec_text: str) -> None:
+def check_method(spec_text: str, fsdp: bool = False) -> None:
     """Parse ``spec_text`` and check every option's range, as building it on a rank would."""
     from ..harness.methods import TORCH_HOOKS, parse_method
 
@@ -173,6 +176,10 @@ def check_method(spec_text: str) -> None:
             import gradwire
 
             gradwire.CommHookState(**spec.hook_options())  # no model, no process group: checks only
+            if fsdp:
+                from ..fsdp.state import check_config
+
+                check_config(gradwire.ExchangeConfig(**spec.hook_options()))
         if spec.communication.name == "torch-powersgd":
             for key, low in (("rank", 1), ("start_iter", 2)):  # PowerSGDState wants start_iter > 1
                 if spec.communication.options.get(key, low) < low:

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .. import codecs as codec_layer
 from ..codecs.base import IndexCodec, ValueCodec
@@ -21,6 +21,9 @@ from ..errors import check_choice, is_integer
 from ..exchange import COLLECTIVES
 from ..sparsify import get_sparsifier, sparsifiers
 from ..sparsify.base import Sparsifier
+
+if TYPE_CHECKING:
+    import torch
 
 SCOPES = ("layer", "global")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -36,6 +39,8 @@ _LOCAL = {"rank_local": True}
 #: so an existing checkpoint's option hash still matches.
 _LATER = {"omit_default": True}
 QUANTIZE_CHOICES = (None, "int8", "int4")
+#: residual storage: "float32" is the accumulation dtype (float64 for float64 gradients)
+RESIDUAL_DTYPES = ("float32", "bfloat16")
 QUANTIZE_BITS = {"int8": 8, "int4": 4}
 
 
@@ -68,6 +73,7 @@ class ExchangeConfig:
     link_alpha: Optional[float] = None
     quantize: Optional[str] = field(default=None, metadata=_LATER)
     quantize_block: int = field(default=128, metadata=_LATER)
+    residual_dtype: str = field(default="float32", metadata=_LATER)
     collective_timeout: float = field(default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_LOCAL)
     log_every: int = field(default=0, metadata=_LOCAL)
 
@@ -89,6 +95,10 @@ class ExchangeConfig:
                              "or the number of ranks per node (an integer >= 1)")
         object.__setattr__(self, "codec_options", dict(self.codec_options or {}))
         check_choice("quantize", self.quantize, QUANTIZE_CHOICES)
+        check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        if self.residual_dtype != "float32" and self.momentum_correction is not None:
+            raise ValueError(f"residual_dtype={self.residual_dtype!r} is not supported with momentum_correction "
+                             "(its velocities stay float32); use error_feedback")
         if not is_integer(self.quantize_block) or self.quantize_block < 1:
             raise ValueError(f"quantize_block={self.quantize_block!r} must be an integer >= 1 (values per scale)")
         if self.quantize is not None and (self.compressor != "none" or self.collective not in ("auto", "dense")):
@@ -141,6 +151,13 @@ class ExchangeConfig:
 
     def build_codecs(self) -> tuple[ValueCodec, IndexCodec]:
         return codec_layer.resolve_codecs(self.value_codec, self.index_codec, dict(self.codec_options))
+
+    @property
+    def residual_storage(self) -> "Optional[torch.dtype]":
+        """The dtype residuals are stored in (None: the accumulation dtype)."""
+        import torch
+
+        return None if self.residual_dtype == "float32" else getattr(torch, self.residual_dtype)
 
     @property
     def shared_support(self) -> bool:

@@ -2,9 +2,10 @@
 
 A :class:`Group` is what one strategy moves in one go: a DDP bucket (layer scope), every bucket
 of an iteration (global scope), a ``GradientExchange`` bucket, an FSDP module's flat gradient.
-Its gradients (:class:`Entry`) are views into the :class:`Target`'s tensors; a strategy writes
-the reduced result back with :meth:`Group.write`, divided by ``divisor`` (the world size for a
-mean, 1 for a sum, or an FSDP divide factor). Nothing here resolves anything: the front-end
+Its gradients (:class:`Entry`) are views into its target's tensors; a strategy writes the reduced
+result back with :meth:`Group.write`, divided by ``divisor`` (the world size for a mean, 1 for a
+sum, or an FSDP divide factor). Two targets: :class:`BufferTarget` (every rank gets the whole
+result) and :class:`ShardTarget` (FSDP2's reduce-scatter: each rank gets its own shard). Nothing here resolves anything: the front-end
 does, once every rank agreed the round succeeded (:mod:`gradwire.core.round`), so no rank ever
 hands its framework a half-written or unagreed result.
 
@@ -18,9 +19,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Union
 
 import torch
+import torch.distributed as dist
+
+from ..exchange.cost import ring_allreduce_bytes
 
 
 class Status(enum.IntEnum):
@@ -111,18 +115,112 @@ class BufferTarget:
         """What a digest of the written result covers, in order."""
         return self.buffers
 
+    def dense_bytes(self, world_size: int, element_size: int) -> float:
+        """What an uncompressed exchange of the input sends per rank: a ring AllReduce."""
+        return ring_allreduce_bytes(self.numel, element_size, world_size)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """HSDP: after the reduce-scatter inside the shard group, each shard is summed across the
+    ranks that hold the same shard (``group``, FSDP's replicate dimension). ``key`` names the
+    error-feedback memory of that second exchange (one per module, the shard's numel)."""
+
+    group: Optional[dist.ProcessGroup]
+    key: Hashable
+    tensor_id: int
+
+
+class ShardTarget:
+    """The result is this rank's shard of a flat input laid out chunk by rank (FSDP2's
+    reduce-scatter): ``input`` ``(p s,)``, chunk ``j`` summed over the ranks of ``group`` goes to its
+    rank ``j``, whose ``output`` ``(s,)`` it is. The group's flat space is the input's; a strategy
+    writes a result of ``s`` elements.
+
+    Args:
+        input: this rank's flat unsharded gradient, ``(p s,)`` (FSDP's reduce dtype).
+        output: this rank's shard, ``(s,)``, written on success (any float dtype).
+        group: the reduce-scatter's process group (p ranks; None: the default one).
+        replicas: HSDP's second exchange of the shard across replicas (None: plain FSDP).
+    """
+
+    def __init__(self, input: torch.Tensor, output: torch.Tensor, *, group: Optional[dist.ProcessGroup],
+                 replicas: Optional[Replicas] = None) -> None:
+        self.input, self.output = input.reshape(-1), output.reshape(-1)
+        self.group, self.replicas = group, replicas
+        self.shards = self.input.numel() // max(1, self.output.numel())
+        if self.output.numel() * self.shards != self.input.numel():
+            raise ValueError(f"a reduce-scatter input of {self.input.numel()} elements is not whole chunks of the "
+                             f"{self.output.numel()}-element output")
+        self.index = dist.get_rank(group) if self.shards > 1 else 0
+
+    @property
+    def numel(self) -> int:
+        return self.input.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.output.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.input.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input.dtype
+
+    def boundaries(self) -> list[int]:
+        """``p + 1`` region boundaries of the flat space: rank j owns ``[j s, (j+1) s)``."""
+        return [j * self.shard_numel for j in range(self.shards + 1)]
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [self.input]
+
+    def flat_input(self) -> torch.Tensor:
+        return self.input
+
+    def shard_output(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed ``(s,)`` tensor of ``dtype`` to sum this rank's shard into: the output itself
+        when it has that dtype, else a new one."""
+        if self.output.dtype == dtype and self.output.is_contiguous():
+            return self.output.zero_()
+        return torch.zeros(self.shard_numel, dtype=dtype, device=self.output.device)
+
+    def write(self, result: torch.Tensor) -> None:
+        """Copy the ``(s,)`` result into the output (cast to its dtype), unless it is the output."""
+        if result.data_ptr() != self.output.data_ptr():
+            self.output.copy_(result.reshape(-1))
+
+    def zero(self) -> None:
+        self.output.zero_()
+
+    def results(self) -> list[torch.Tensor]:
+        return [self.output]
+
+    def dense_bytes(self, world_size: int, element_size: int) -> float:
+        """What plain FSDP2 sends per rank for this input: a reduce-scatter, ``(p-1) s`` elements,
+        and with replicas a ring AllReduce of the shard across them."""
+        sent = float((self.shards - 1) * self.shard_numel * element_size)
+        if self.replicas is not None:
+            sent += ring_allreduce_bytes(self.shard_numel, element_size, world_size // self.shards)
+        return sent
+
+
+Target = Union[BufferTarget, ShardTarget]
+
 
 @dataclass
 class Group:
     """Tensors exchanged together. ``status`` records how its exchange ended on this rank.
 
     Args:
-        target: where the reduced result goes (:class:`BufferTarget`).
+        target: where the reduced result goes (:class:`BufferTarget`, :class:`ShardTarget`).
         entries: the gradients, in the target's flat order.
         divisor: the sum over ranks is divided by this before it is written (world size: mean).
     """
 
-    target: BufferTarget
+    target: Target
     entries: list[Entry] = field(default_factory=list)
     divisor: float = 1.0
     #: this rank's input is finite (the pipeline checks before any strategy starts)
@@ -134,6 +232,9 @@ class Group:
     #: a hash of what this rank summed (:mod:`.digest`), equal on every rank when nothing was
     #: corrupted in flight; set by the strategy when it writes (None: the written result is hashed)
     digest: Optional["int | torch.Tensor"] = None
+    #: the digest is this rank's share of a balanced set (:func:`.digest.balanced_share`: shard
+    #: groups, whose results differ per rank): the XOR over ranks is 0 when nothing was corrupted
+    balanced_digest: bool = False
     #: error-feedback updates, applied only once every rank agreed the round succeeded
     feedback_updates: list[tuple[Hashable, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     feedback_clears: list[Hashable] = field(default_factory=list)
@@ -162,6 +263,15 @@ class Group:
         return torch.empty((), dtype=self.target.dtype).element_size()
 
     @property
+    def sharded(self) -> bool:
+        """Whether each rank gets its own shard of the result (FSDP2's reduce-scatter)."""
+        return isinstance(self.target, ShardTarget)
+
+    def dense_bytes(self, world_size: int) -> float:
+        """Bytes per rank the uncompressed exchange of this group sends (``bytes_dense``)."""
+        return self.target.dense_bytes(world_size, self.element_size)
+
+    @property
     def compensated(self) -> bool:
         """Whether selection ran: the entries hold ``grad + residual`` (what a dense send owes)."""
         return any(entry.compensated is not None for entry in self.entries)
@@ -174,6 +284,10 @@ class Group:
         return self.target.flat_input()
 
     def output_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed flat tensor of ``dtype`` the result is summed into: the whole flat space for a
+        :class:`BufferTarget`, this rank's shard for a :class:`ShardTarget`."""
+        if isinstance(self.target, ShardTarget):
+            return self.target.shard_output(dtype)
         return self.target.output(dtype)
 
     # ------------------------------------------------------------------------- outcomes

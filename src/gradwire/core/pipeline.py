@@ -15,7 +15,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..exchange import check_same_on_all_ranks, ring_allreduce_bytes
+from ..exchange import check_same_on_all_ranks
 from ..exchange.checked import time_limit
 from ..exchange.collectives import world_size_of
 from . import checkpoint
@@ -37,6 +37,7 @@ from .strategies import (
     SharedSupportAllReduce,
     SparseAllReduce,
     count_slack,
+    shard_strategies,
 )
 
 
@@ -47,22 +48,25 @@ class Pipeline:
         config: the options (:class:`~.config.ExchangeConfig`).
         process_group: the ranks to exchange with (default: the world).
         stats: the counters to add to (a new :class:`~.stats.ExchangeStats` by default).
+        spare_buffers: keep last round's residual as the next compensation buffer (faster; a
+            second residual's memory per tensor), or free it (FSDP, where memory is the point).
 
     The strategies, the planner and the round are built at first use, when the process group is
     up; :meth:`reset` makes every rank start again from the same point (after loading a checkpoint).
     """
 
     def __init__(self, config: ExchangeConfig, process_group: Optional[dist.ProcessGroup] = None, *,
-                 stats: Optional[ExchangeStats] = None) -> None:
+                 stats: Optional[ExchangeStats] = None, spare_buffers: bool = True) -> None:
         self.config = config
         self.process_group = process_group
         self.stats = stats if stats is not None else ExchangeStats()
         self.sparsifier = config.build_sparsifier()
         self.feedback: Optional[ErrorFeedback] = None
+        # spare_buffers=False (FSDP): no second residual-sized buffer kept per tensor between rounds
         if config.momentum_correction is not None:
-            self.feedback = MomentumCorrection(config.momentum_correction)
+            self.feedback = MomentumCorrection(config.momentum_correction, spares=spare_buffers)
         elif config.error_feedback:
-            self.feedback = ErrorFeedback()
+            self.feedback = ErrorFeedback(storage_dtype=config.residual_storage, spares=spare_buffers)
         self.selection = (Selection(self.sparsifier, self.feedback, config.scope, self.stats)
                           if self.sparsifier is not None else None)
         self._checked = False
@@ -89,7 +93,7 @@ class Pipeline:
         strategies = self._build()
         assert self._context is not None and self._planner is not None
         self._context.step = step
-        self.stats.add("bytes_dense", ring_allreduce_bytes(group.numel, group.element_size, self._context.world_size))
+        self.stats.add("bytes_dense", group.dense_bytes(self._context.world_size))
         try:
             with time_limit(self.config.collective_timeout):  # blocking rounds (sparse, calibration)
                 return self._start(group, step, strategies)
@@ -170,7 +174,14 @@ class Pipeline:
         local = checkpoint.build_state(rank=self.rank(), world_size=world_size_of(self.process_group),
                                        config=self.config.describe(), iteration=iteration, residuals=residuals,
                                        velocities=velocities, planner=planner)
-        return checkpoint.gather_state(local, specs, self.process_group) if gather else local
+        return checkpoint.gather_state(local, self._stored(specs), self.process_group) if gather else local
+
+    def _stored(self, specs: dict[str, checkpoint.ParameterSpec]) -> dict[str, checkpoint.ParameterSpec]:
+        """The specs with residuals in their storage dtype (``residual_dtype``)."""
+        storage = self.config.residual_storage
+        if storage is None:
+            return specs
+        return {name: checkpoint.ParameterSpec(spec.numel, storage) for name, spec in specs.items()}
 
     def load_state_dict(self, state: dict[str, Any], *, names: dict[Hashable, str],
                         specs: dict[str, checkpoint.ParameterSpec], device: "torch.device | str" = "cpu") -> int:
@@ -182,7 +193,7 @@ class Pipeline:
         kinds = () if self.feedback is None else \
             ("residuals", "velocities") if isinstance(self.feedback, MomentumCorrection) else ("residuals",)
         mine = checkpoint.select_state(state, rank=self.rank(), world_size=world_size_of(self.process_group),
-                                       config=self.config.describe(), specs=specs, kinds=kinds)
+                                       config=self.config.describe(), specs=self._stored(specs), kinds=kinds)
         keys = {name: key for key, name in names.items()}
         self.reset()  # every rank restarts from the same point
         self._pending_planner = mine.planner
@@ -223,6 +234,10 @@ class Pipeline:
                 self._strategies["quantized"] = QuantizedAllReduce(self._context, self.feedback,
                                                                    bits=QUANTIZE_BITS[config.quantize],
                                                                    block_size=config.quantize_block)
+            # shard groups (FSDP2's reduce-scatter): strategies/reduce_scatter.py
+            self._strategies.update(shard_strategies(
+                self._context, sparsifier=self.sparsifier, feedback=self.feedback,
+                quantize_bits=QUANTIZE_BITS.get(config.quantize or ""), quantize_block=config.quantize_block))
             self._planner = Planner(config, self.sparsifier, self.process_group, world)
             if self._pending_planner is not None:  # loaded before the first round
                 self._planner.load_state_dict(self._pending_planner)

@@ -91,6 +91,11 @@ class Planner:
     # ---------------------------------------------------------------------------- choosing
     def plan(self, group: Group, step: int) -> Plan:
         config = self.config
+        if group.sharded:  # FSDP2's reduce-scatter (strategies/reduce_scatter.py)
+            # a shard group's strategy is fixed by its family (dense, quantized or sparse
+            # reduce-scatter): there is nothing for auto's online check to time against
+            self.online = None
+            return plan_shard_group(config, self.sparsifier, group, step)
         if config.quantize is not None and step >= config.warmup_steps:
             return Plan("quantized", NO_SELECTION)
         if self.sparsifier is None or step < config.warmup_steps or config.collective == "dense":
@@ -257,3 +262,16 @@ def _cheapest(seconds: dict[str, float]) -> str:
     order = {name: i for i, name in enumerate(STRATEGIES)}
     best = min(seconds, key=lambda name: (seconds[name], order.get(name, len(order))))
     return best if seconds[best] < seconds["dense"] else "dense"
+
+
+def plan_shard_group(config: ExchangeConfig, sparsifier: Optional[Sparsifier], group: Group, step: int) -> Plan:
+    """A shard group's reduce-scatter (strategies/reduce_scatter.py): quantized when ``quantize`` is
+    set, sparse with a sparsifier (selection per entry, i.e. per parameter and destination; none
+    on a non-finite rank, which announces NaN instead), else, and during the warm-up, dense."""
+    if step < config.warmup_steps:
+        return Plan("dense-reduce-scatter", NO_SELECTION)
+    if config.quantize is not None:
+        return Plan("quantized-reduce-scatter", NO_SELECTION)
+    if sparsifier is None or config.collective == "dense":
+        return Plan("dense-reduce-scatter", NO_SELECTION)
+    return Plan("sparse-reduce-scatter", SELECT if group.finite else NO_SELECTION)

@@ -38,7 +38,7 @@ from ..errors import CollectiveError, DivergenceError, NonFiniteGradientError, S
 from ..exchange.collectives import communication_device
 from ..lifetime import wait_for
 from .config import ExchangeConfig
-from .digest import combine, digest_of
+from .digest import agree as digests_agree, combine, digest_of, xor
 from .feedback import ErrorFeedback
 from .group import Group, Status
 from .stats import ExchangeStats
@@ -93,6 +93,7 @@ class Round:
             if group.status == Status.PENDING:  # a strategy that never finished its group is a bug
                 group.mark_failed(RuntimeError(f"step {step}: an exchange ended without a result"))
         status = max((g.status for g in groups), default=Status.WRITTEN)
+        balanced = any(g.balanced_digest for g in groups)  # shard groups (see .digest)
         digest = self._digest(groups) if status == Status.WRITTEN and self.config.verify == "digest" else 0
         try:
             statuses, digests, gathered_extras = self._agree(int(status), digest, list(extras), step)
@@ -104,7 +105,13 @@ class Round:
             return Verdict(RAISE, own if own is not None else StepFailedError(
                 f"step {step} failed on rank(s) {failed} (see their errors); no rank applies this step"),
                 gathered_extras)
-        if max(statuses) == Status.WRITTEN and self.config.verify == "digest" and len(set(digests)) > 1:
+        if max(statuses) == Status.WRITTEN and self.config.verify == "digest" and balanced \
+                and not digests_agree(digests, balanced=True):
+            return Verdict(RAISE, DivergenceError(
+                f"step {step}: some owner's shard differs from what its senders sent (a contribution corrupted "
+                "in flight); no rank applies this step"), gathered_extras)
+        if max(statuses) == Status.WRITTEN and self.config.verify == "digest" and not balanced \
+                and len(set(digests)) > 1:
             differing = [rank for rank, d in enumerate(digests) if d != digests[0]]
             return Verdict(RAISE, DivergenceError(
                 f"step {step}: the averaged gradients differ between ranks (ranks {differing} differ from "
@@ -138,7 +145,10 @@ class Round:
     @staticmethod
     def _digest(groups: Sequence[Group]) -> int:
         """63 bits over the round's groups in order: a group's own ``digest`` when its strategy
-        set one (what it summed, see :mod:`.digest`), else its written result."""
+        set one (what it summed, see :mod:`.digest`), else its written result; balanced shares
+        (shard groups) are XORed, which keeps them balanced."""
+        if any(group.balanced_digest for group in groups):
+            return xor([group.digest if group.digest is not None else 0 for group in groups])
         return combine([group.digest if group.digest is not None else digest_of(group.target.results())
                         for group in groups])
 

@@ -41,6 +41,13 @@ allocated from a size read off the wire. Codes outside ``[-L, L]`` (-128, or nib
 so any bytes decode to values bounded by their block's scale; a NaN or Inf scale decodes to
 non-finite values, which the exchanges report (:mod:`.quantized`).
 
+**Segments**: with ``segments=(l_1, ..., l_m)`` (lengths summing to ``n``) blocks restart at every
+segment's start, so no block straddles two segments: ``nb = sum ceil(l_i / block_size)`` blocks,
+the last one of each segment shorter. A caller whose chunk joins several tensors (FSDP2's flat
+gradient: one piece of every parameter per destination) gives one segment per tensor, so a small
+tensor's values are never scaled by a large neighbour's absmax (which rounds them to zero). The
+wire layout is the same with that ``nb``; the receiver knows the segments as it knows ``n``.
+
 All functions take and return tensors on the input's device, work on a batch of equally long
 chunks at once (leading dimensions), and run without a Python loop over values or blocks.
 """
@@ -48,6 +55,7 @@ chunks at once (leading dimensions), and run without a Python loop over values o
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,21 +74,32 @@ def check_options(bits: int, block_size: int) -> None:
         raise ValueError(f"block_size={block_size!r} must be an int >= 1")
 
 
-def quantized_bytes(n: int, bits: int, block_size: int) -> int:
-    """Bytes of one quantized chunk of ``n`` values: ``4 ceil(n / block_size) + ceil(n bits / 8)``."""
+def quantized_bytes(n: int, bits: int, block_size: int, segments: Optional[Sequence[int]] = None) -> int:
+    """Bytes of one quantized chunk of ``n`` values: ``4 nb + ceil(n bits / 8)``, ``nb`` its blocks
+    (``ceil(n / block_size)``, or per segment, module docstring)."""
     check_options(bits, block_size)
     if n < 0:
         raise ValueError(f"n={n} must be >= 0")
-    return 4 * math.ceil(n / block_size) + math.ceil(n * bits / 8)
+    return 4 * block_count(n, block_size, segments) + math.ceil(n * bits / 8)
 
 
-def quantize(x: torch.Tensor, *, bits: int, block_size: int) -> torch.Tensor:
+def block_count(n: int, block_size: int, segments: Optional[Sequence[int]] = None) -> int:
+    """Blocks of a chunk of ``n`` values; ``ValueError`` if ``segments`` do not sum to ``n``."""
+    if segments is None:
+        return math.ceil(n / block_size)
+    if any(not is_integer(length) or length < 0 for length in segments) or sum(segments) != n:
+        raise ValueError(f"segments must be lengths >= 0 summing to n={n}")
+    return sum(math.ceil(length / block_size) for length in segments)
+
+
+def quantize(x: torch.Tensor, *, bits: int, block_size: int, segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Quantize every row (last dimension) of ``x`` as one chunk (module docstring).
 
     Args:
         x: float32, shape ``(..., n)``; each row is quantized on its own (blocks never straddle rows).
         bits: 8 or 4.
         block_size: values per scale, >= 1.
+        segments: lengths summing to ``n``; blocks restart at each (None: one segment).
 
     Returns:
         uint8, shape ``(..., quantized_bytes(n, bits, block_size))``, on ``x``'s device.
@@ -89,11 +108,12 @@ def quantize(x: torch.Tensor, *, bits: int, block_size: int) -> torch.Tensor:
         ValueError: ``x`` not float32 or 0-dimensional, or bad ``bits`` / ``block_size``.
     """
     _check_input(x, bits, block_size)
-    scales, codes = _scales_and_codes(x, bits, block_size)
+    scales, codes = _scales_and_codes(x, bits, block_size, segments)
     return _pack(scales, codes, bits)
 
 
-def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int) -> torch.Tensor:
+def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int,
+               segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Decode chunks of ``n`` values laid out as :func:`quantize` writes them.
 
     Args:
@@ -101,6 +121,7 @@ def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int) -> tor
         n: values per chunk (known to the receiver, never read off the wire).
         bits: as the sender used.
         block_size: as the sender used.
+        segments: as the sender used.
 
     Returns:
         float32, shape ``(..., n)``, on ``data``'s device; NaN throughout a block whose scale is NaN.
@@ -109,21 +130,23 @@ def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int) -> tor
         DecodeError: ``data`` is not uint8, or its rows are not exactly ``quantized_bytes`` long.
         ValueError: bad ``n``, ``bits`` or ``block_size``.
     """
-    expected = quantized_bytes(n, bits, block_size)
+    expected = quantized_bytes(n, bits, block_size, segments)
     if data.dtype != torch.uint8 or data.dim() == 0 or data.shape[-1] != expected:
         raise DecodeError(f"a quantized chunk of {n} values ({bits}-bit, blocks of {block_size}) is {expected} "
                           f"uint8 bytes, got {data.dtype} of shape {tuple(data.shape)}")
-    scales, codes = _unpack(data, n, bits, block_size)
-    return _scaled(codes, scales, n, block_size)
+    scales, codes = _unpack(data, n, bits, block_count(n, block_size, segments))
+    return _scaled(codes, scales, n, block_size, segments)
 
 
-def roundtrip(x: torch.Tensor, *, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def roundtrip(x: torch.Tensor, *, bits: int, block_size: int,
+              segments: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, dequantize(packed))`` for ``x``: what a receiver will see, without unpacking again.
 
     Args:
         x: float32, shape ``(..., n)``, as for :func:`quantize`.
         bits: 8 or 4.
         block_size: values per scale, >= 1.
+        segments: as for :func:`quantize`.
 
     Returns:
         The uint8 chunks :func:`quantize` returns and their float32 ``(..., n)`` decoding, bit for
@@ -133,8 +156,8 @@ def roundtrip(x: torch.Tensor, *, bits: int, block_size: int) -> tuple[torch.Ten
         ValueError: as for :func:`quantize`.
     """
     _check_input(x, bits, block_size)
-    scales, codes = _scales_and_codes(x, bits, block_size)
-    return _pack(scales, codes, bits), _scaled(codes, scales, x.shape[-1], block_size)
+    scales, codes = _scales_and_codes(x, bits, block_size, segments)
+    return _pack(scales, codes, bits), _scaled(codes, scales, x.shape[-1], block_size, segments)
 
 
 def _check_input(x: torch.Tensor, bits: int, block_size: int) -> None:
@@ -143,13 +166,24 @@ def _check_input(x: torch.Tensor, bits: int, block_size: int) -> None:
         raise ValueError(f"quantize needs a float32 tensor of >= 1 dimension, got {x.dtype} {tuple(x.shape)}")
 
 
-def _scales_and_codes(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales_and_codes(x: torch.Tensor, bits: int, block_size: int,
+                      segments: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block float32 scales ``(..., nb)`` and int8 codes ``(..., n)`` in ``[-L, L]``."""
     level = LEVELS[bits]
     n = x.shape[-1]
+    if segments is not None:  # each segment padded to whole blocks, quantized as one row of blocks
+        padded = _pad_segments(x, block_size, segments)
+        scales, codes = _quantize_blocks(padded.reshape(*x.shape[:-1], -1, block_size), level)
+        return scales, _unpad_segments(codes.reshape(*x.shape[:-1], -1), block_size, segments)
     blocks_per_row = math.ceil(n / block_size)
     # zeros do not change a block's absmax, so padding the last block is harmless
     blocks = F.pad(x, (0, blocks_per_row * block_size - n)).reshape(*x.shape[:-1], blocks_per_row, block_size)
+    scales, codes = _quantize_blocks(blocks, level)
+    return scales, codes.reshape(*x.shape[:-1], blocks_per_row * block_size)[..., :n]
+
+
+def _quantize_blocks(blocks: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales ``(..., nb)`` and int8 codes ``(..., nb, block_size)`` of float32 ``blocks``."""
     absmax = blocks.abs().amax(dim=-1)  # NaN propagates, Inf stays Inf
     finite = torch.isfinite(absmax)
     scales = torch.where(finite, absmax / level, torch.full_like(absmax, float("nan")))
@@ -157,12 +191,38 @@ def _scales_and_codes(x: torch.Tensor, bits: int, block_size: int) -> tuple[torc
     divisor = torch.where(finite & (scales > 0), scales, torch.ones_like(scales))
     codes = torch.round(blocks / divisor.unsqueeze(-1)).clamp_(-level, level)
     codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
-    codes = codes.to(torch.int8).reshape(*x.shape[:-1], blocks_per_row * block_size)[..., :n]
-    return scales, codes
+    return scales, codes.to(torch.int8)
 
 
-def _scaled(codes: torch.Tensor, scales: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+def _pad_segments(x: torch.Tensor, block_size: int, segments: Sequence[int]) -> torch.Tensor:
+    """``x`` ``(..., n)`` with every segment padded with zeros to whole blocks: ``(..., nb block_size)``
+    (zeros do not change a block's absmax). One copy; a loop over segments, not values."""
+    block_count(x.shape[-1], block_size, segments)  # checks the lengths
+    pieces, start = [], 0
+    for length in segments:
+        piece = x[..., start: start + length]
+        pad = -length % block_size
+        pieces.append(F.pad(piece, (0, pad)) if pad else piece)
+        start += length
+    return torch.cat(pieces, dim=-1) if pieces else x[..., :0]
+
+
+def _unpad_segments(padded: torch.Tensor, block_size: int, segments: Sequence[int]) -> torch.Tensor:
+    """Undo :func:`_pad_segments`: ``(..., n)``."""
+    pieces, start = [], 0
+    for length in segments:
+        pieces.append(padded[..., start: start + length])
+        start += length + (-length % block_size)
+    return torch.cat(pieces, dim=-1) if pieces else padded[..., :0]
+
+
+def _scaled(codes: torch.Tensor, scales: torch.Tensor, n: int, block_size: int,
+            segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``code * scale`` per value: float32 ``(..., n)``."""
+    if segments is not None:
+        padded = _pad_segments(codes, block_size, segments).reshape(*codes.shape[:-1], -1, block_size)
+        values = padded.to(torch.float32) * scales.unsqueeze(-1)
+        return _unpad_segments(values.reshape(*codes.shape[:-1], -1), block_size, segments)
     blocks_per_row = scales.shape[-1]
     padded = F.pad(codes, (0, blocks_per_row * block_size - n)).reshape(*codes.shape[:-1], blocks_per_row, block_size)
     values = padded.to(torch.float32) * scales.unsqueeze(-1)
@@ -179,10 +239,10 @@ def _pack(scales: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([scales.contiguous().view(torch.uint8), code_bytes], dim=-1)
 
 
-def _unpack(data: torch.Tensor, n: int, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales ``(..., nb)`` float32 and codes ``(..., n)`` int8, clamped to ``[-L, L]``."""
+def _unpack(data: torch.Tensor, n: int, bits: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales ``(..., nb)`` float32 (``blocks`` of them) and codes ``(..., n)`` int8, clamped to ``[-L, L]``."""
     level = LEVELS[bits]
-    scale_bytes = 4 * math.ceil(n / block_size)
+    scale_bytes = 4 * blocks
     # a fresh copy: viewing bytes as float32 needs 4-aligned offsets and strides, which a row's slice
     # need not have (and .contiguous() returns a one-row slice as it is)
     scales = data[..., :scale_bytes].clone(memory_format=torch.contiguous_format).view(torch.float32)

@@ -54,20 +54,23 @@ def time_limit(seconds: Optional[float]) -> Iterator[None]:
         _time_limit.reset(token)
 
 
-def wait_checked(work: object, what: str, collective: str) -> None:
+def wait_checked(work: object, what: str, collective: str, *, keep: bool = True) -> None:
     """Wait for ``work``, keeping it referenced (:mod:`gradwire.lifetime`).
 
     Args:
         work: what a ``dist`` collective started with ``async_op=True`` returned.
         what: the caller, for the message.
         collective: which collective, for the message.
+        keep: False when the caller holds ``work`` (and so its tensors) itself and has
+            ``gradwire.lifetime.track``-ed it, rather than the queue of recent works (which would keep
+            16 calls' buffers: for a large dense collective, that is memory).
 
     Raises:
         CollectiveError: it failed, reported no success, or outlasted :func:`time_limit`.
     """
     seconds = _time_limit.get()
     try:
-        ok = wait_for(work, seconds, collective)  # keeps the Work alive (gradwire.lifetime)
+        ok = wait_for(work, seconds, collective, keep=keep)  # keeps the Work alive (gradwire.lifetime)
     except RuntimeError as error:  # gloo raises on a closed connection or a timeout
         # wait_for's message says which limit ended the wait (the one set here, or the group's
         # own timeout or a failed peer before it) and carries the backend's error

@@ -58,11 +58,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..lifetime import track
 from .blockquant import check_options, dequantize, roundtrip
 from .checked import allgather_tensor, group_rank, group_size, wait_checked
 
@@ -79,12 +80,21 @@ class QuantizedReduceScatterResult:
         error: ``(p s,)`` float32, this rank's quantization error ``input - D(Q(input))`` per chunk.
         finite: 0-dim bool tensor, False if ``shard`` holds NaN/Inf (some source's block or the sum).
         sent_by_collective: bytes this rank handed to each collective for its peers.
+        chunks_sent: ``(p, Q)`` uint8, the quantized chunk this rank sent to each rank (row j to rank j).
+        chunks_received: ``(p, Q)`` uint8, the chunk this rank received from each rank (row r from
+            rank r); with ``chunks_sent`` what a caller can check the transfer by (a digest).
+        works: the collective's ``Work`` (tracked, :mod:`gradwire.lifetime`), which the caller
+            holds until it starts its next exchange: not the queue of recent works, where 16 calls'
+            chunks would stay alive.
     """
 
     shard: torch.Tensor
     error: torch.Tensor
     finite: torch.Tensor
     sent_by_collective: dict[str, int] = field(default_factory=dict)
+    chunks_sent: Optional[torch.Tensor] = None
+    chunks_received: Optional[torch.Tensor] = None
+    works: tuple = ()
 
     @property
     def bytes_sent(self) -> int:
@@ -116,7 +126,8 @@ class QuantizedAllreduceResult:
 
 
 def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
-                             group: Optional[dist.ProcessGroup] = None) -> QuantizedReduceScatterResult:
+                             group: Optional[dist.ProcessGroup] = None,
+                             segments: Optional[Sequence[int]] = None) -> QuantizedReduceScatterResult:
     """Sum the ranks' chunk-by-rank inputs into each owner's shard, over int8/int4 (module docstring).
 
     Args:
@@ -125,10 +136,12 @@ def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
         bits: 8 or 4.
         block_size: values per float32 scale, >= 1.
         group: the process group (None: the default one); p is its size.
+        segments: lengths summing to ``s``, the same on every rank: blocks restart at each, in
+            every chunk (:mod:`.blockquant`; FSDP2: one per parameter). None: one segment.
 
     Returns:
         :class:`QuantizedReduceScatterResult`; ``sent_by_collective`` is
-        ``{"reduce-scatter": (p-1) quantized_bytes(s, bits, block_size)}``.
+        ``{"reduce-scatter": (p-1) quantized_bytes(s, bits, block_size, segments)}``.
 
     Raises:
         ValueError: ``input`` not 1-D float32, its length not a multiple of p, or bad options.
@@ -139,9 +152,11 @@ def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
     _check_flat(input, WHAT_REDUCE_SCATTER)
     if input.numel() % size:
         raise ValueError(f"{WHAT_REDUCE_SCATTER}: input of {input.numel()} values is not {size} equal chunks")
-    shard, error, sent = _reduce_scatter(input.reshape(size, -1), bits, block_size, group, size,
-                                         WHAT_REDUCE_SCATTER)
-    return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent)
+    works: list = []
+    shard, error, sent, (packed, received) = _reduce_scatter(input.reshape(size, -1), bits, block_size, group, size,
+                                                             WHAT_REDUCE_SCATTER, segments, works)
+    return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent, packed, received,
+                                        tuple(works))
 
 
 def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
@@ -170,7 +185,7 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
         return QuantizedAllreduceResult(input.clone(), input.clone(), _all_finite(input), {})
     chunk = math.ceil(n / size)
     padded = torch.nn.functional.pad(input, (0, size * chunk - n)).reshape(size, chunk)
-    shard, error, sent = _reduce_scatter(padded, bits, block_size, group, size, WHAT_ALLREDUCE)
+    shard, error, sent, _ = _reduce_scatter(padded, bits, block_size, group, size, WHAT_ALLREDUCE)
 
     # re-quantize the owner's sum; a non-finite S writes NaN scales, so every rank will see it
     packed, requantized = roundtrip(shard, bits=bits, block_size=block_size)
@@ -184,24 +199,30 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
 
 
 def _reduce_scatter(chunks: torch.Tensor, bits: int, block_size: int, group: Optional[dist.ProcessGroup],
-                    size: int, what: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+                    size: int, what: str, segments: Optional[Sequence[int]] = None, held: Optional[list] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int], tuple[torch.Tensor, torch.Tensor]]:
     """Steps 1-3 on ``chunks`` ``(p, s)`` float32: the owner's rank-order sum ``(s,)``, this rank's
-    local error ``(p, s)`` and the bytes sent."""
+    local error ``(p, s)``, the bytes sent, and the ``(p, Q)`` uint8 chunks sent and received.
+    ``held``: a list the collective's Work is appended to (the caller holds it), else the queue of
+    recent works keeps it."""
     s = chunks.shape[1]
-    packed, local = roundtrip(chunks, bits=bits, block_size=block_size)  # (p, Q) uint8, (p, s) float32
+    packed, local = roundtrip(chunks, bits=bits, block_size=block_size, segments=segments)  # (p, Q), (p, s)
     error = chunks - local
     if size == 1 or packed.numel() == 0:  # nothing to move (every rank has the same sizes)
         received = packed
     else:
         received = torch.empty_like(packed)
         work = dist.all_to_all_single(received.reshape(-1), packed.reshape(-1), group=group, async_op=True)
-        wait_checked(work, what, "reduce-scatter all_to_all_single")
-    decoded = dequantize(received, s, bits=bits, block_size=block_size)  # (p, s): row r is from rank r
+        if held is not None:  # the caller holds it (see QuantizedReduceScatterResult.works)
+            track(work)
+            held.append(work)
+        wait_checked(work, what, "reduce-scatter all_to_all_single", keep=held is None)
+    decoded = dequantize(received, s, bits=bits, block_size=block_size, segments=segments)  # row r: from rank r
     # a loop over ranks, not values: p ordered adds, where a sum over dim 0 leaves the order to the backend
     shard = decoded[0].clone()
     for source in range(1, size):
         shard += decoded[source]
-    return shard, error, {"reduce-scatter": (size - 1) * packed.shape[1]}
+    return shard, error, {"reduce-scatter": (size - 1) * packed.shape[1]}, (packed, received)
 
 
 def _members(group: Optional[dist.ProcessGroup], what: str) -> int:

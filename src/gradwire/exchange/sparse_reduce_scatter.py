@@ -67,6 +67,8 @@ class SparseReduceScatterResult:
         status: this rank's verdict alone (see the module docstring: agree before acting).
         error: the DecodeError behind DECODE_FAILED.
         sent_by_collective: bytes this rank handed to each collective for its peers.
+        received: per source rank, the (relative indices, values) this owner decoded from it (empty
+            when DECODE_FAILED); with ``contributed`` what a caller can check the transfer by (a digest).
     """
 
     indices: torch.Tensor
@@ -77,6 +79,7 @@ class SparseReduceScatterResult:
     status: RegionStatus
     error: Optional[DecodeError] = None
     sent_by_collective: dict[str, int] = field(default_factory=dict)
+    received: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def bytes_sent(self) -> int:
@@ -130,7 +133,7 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
                                       collective="reduce-scatter all_to_all_single")
     sent = {"reduce-scatter counts": 8 * (size - 1), "reduce-scatter": sum(send_counts) - send_counts[me]}
 
-    status, error = RegionStatus.OK, None
+    status, error, pieces = RegionStatus.OK, None, []
     try:
         pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
                   for src, chunk in enumerate(torch.split(received, recv_counts))]
@@ -138,11 +141,11 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
         if not bool(torch.isfinite(sums).all()):
             status = RegionStatus.NONFINITE
     except DecodeError as caught:
-        status, error = RegionStatus.DECODE_FAILED, caught
+        status, error, pieces = RegionStatus.DECODE_FAILED, caught, []
         region_indices = torch.empty(0, dtype=torch.int64, device=device)
         sums = torch.empty(0, dtype=torch.float32, device=device)
     return SparseReduceScatterResult(region_indices, sums, bounds[me], lengths[me], torch.cat(contributed),
-                                     status, error, sent)
+                                     status, error, sent, tuple(pieces))
 
 
 @dataclass(frozen=True)

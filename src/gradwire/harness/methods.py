@@ -36,6 +36,7 @@ HOOK_KEYS = {
     "ef": ("error_feedback", "bool"),
     "momentum_correction": ("momentum_correction", float),
     "warmup_steps": ("warmup_steps", int),
+    "residuals": ("residual_dtype", str),
     "seed": ("seed", int),
     "hierarchy": ("hierarchy", "hierarchy"),
     "link_gbit": ("link_gbit", float),
@@ -51,7 +52,7 @@ HOOK_KEYS = {
 }
 TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": {}, "allreduce": {}}
 #: ``quantize:bits=8,block=128``: gradwire's dense AllReduce of int8/int4 blocks (error feedback on)
-QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "warmup_steps": int}
+QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "warmup_steps": int, "residuals": str}
 PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}
 #: ``diloco:sync_every=16,...``: local steps; a communication part joined by ``+`` compresses the outer step
 DILOCO_KEYS = {"sync_every": int, "outer_lr": float, "outer_momentum": float, "nesterov": "bool",
@@ -98,6 +99,8 @@ class MethodSpec:
                        "quantize_block": chosen.get("block", 128), "error_feedback": chosen.get("ef", True)}
             if "warmup_steps" in chosen:
                 options["warmup_steps"] = chosen["warmup_steps"]
+            if "residuals" in chosen:
+                options["residual_dtype"] = chosen["residuals"]
             return options
         options: dict[str, Any] = {"compressor": self.communication.name}
         codec_options: dict[str, Any] = {}

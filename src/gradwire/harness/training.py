@@ -29,6 +29,13 @@ Its ``bytes_sent`` per step is what that step sent (a sync's burst, or nothing),
 ``bytes_per_step`` is their *mean* over the measured steps (a median would be 0); ``--warmup-steps``
 set to DiLoCo's warm-up leaves the synchronous steps out of it. Before the evaluation every rank
 calls ``synchronize()``, so the evaluated model holds the global parameters.
+
+``fsdp=True`` trains FSDP2 instead of DDP: every unit of :func:`~.sharding.units` is
+``fully_shard``-ed (1-D, over every rank); ``allreduce`` is then plain FSDP2 (its reduce-scatter,
+timed: :class:`~.sharding.TimedPlainReduceScatter`), a gradwire method installs
+``gradwire.fsdp.compress`` with the method's options. Each summary
+then also holds ``peak_rss_mb`` (every rank's peak resident memory, MiB, of the whole process) and
+``residual_mb`` (rank 0's error-feedback residuals at the end, MiB).
 """
 
 from __future__ import annotations
@@ -93,6 +100,8 @@ class TrainConfig:
     #: (and at the end), and resume from the latest on start (torchrun --max-restarts)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    #: FSDP2 (fully_shard per unit, gradwire.fsdp.compress) instead of DDP
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         # concrete numbers in the JSON the workers and the summaries get; validate() checks them
@@ -112,10 +121,22 @@ class TrainConfig:
         resume.check_options(self.checkpoint_dir, self.checkpoint_every)
         for spec in self.methods:
             spec_parsed = parse_method(spec)
+            if self.fsdp and (spec_parsed.pufferfish is not None or spec_parsed.communication.name in FSDP_REFUSED):
+                raise ValueError(f"fsdp=True: method {spec!r} is a DDP hook or changes the model; with FSDP2 use "
+                                 "allreduce (plain FSDP2), a gradwire compressor or quantize:bits=8|4")
+            if self.fsdp and spec_parsed.local_steps is not None:
+                raise ValueError(f"fsdp=True: method {spec!r} is a local-steps method (gradwire.DiLoCo), which "
+                                 "trains a plain or DDP model, not an FSDP2 one")
+            if self.fsdp and self.checkpoint_dir:
+                raise ValueError("fsdp=True: --checkpoint-dir is not supported with FSDP2 yet (sharded model and "
+                                 "optimizer state)")
             if self.checkpoint_dir and spec_parsed.pufferfish is not None:
                 raise ValueError(f"checkpoint_dir: {spec!r} changes the model mid-run (pufferfish), which checkpoints "
                                  "do not cover yet")
 
+
+#: DDP-only methods (PyTorch's DDP hooks)
+FSDP_REFUSED = ("torch-fp16", "torch-powersgd")
 
 #: set by the launcher in an emulated cluster: this worker's interface (inside its namespace)
 WIRE_INTERFACE_ENV = "GRADWIRE_WIRE_INTERFACE"
@@ -262,6 +283,60 @@ def _local_steps(spec: MethodSpec, model: Any, optimizer: torch.optim.Optimizer,
                   **options)
 
 
+class Sharded:
+    """What the loop needs of DDP, for an FSDP2 model: calling it, ``no_sync()``, ``.module``,
+    ``parameters()``, ``eval()``/``train()``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any) -> Any:
+        return self.module(*args)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def parameters(self) -> Any:
+        return self.module.parameters()
+
+    def eval(self) -> "Sharded":
+        self.module.eval()
+        return self
+
+    def train(self, mode: bool = True) -> "Sharded":
+        self.module.train(mode)
+        return self
+
+
+def _wrap_fsdp(module: torch.nn.Module, spec: MethodSpec) -> tuple[Sharded, Any, float]:
+    """FSDP2 on every unit of ``module``, with gradwire's reduce-scatter unless the method is
+    ``allreduce``; returns (model, state or None, plain FSDP2's reduce-scatter bytes per rank and step)."""
+    from . import sharding
+    from ..fsdp import layout
+
+    world = dist.get_world_size()
+    shapes = dict(module.named_parameters())
+    dense = sum((world - 1) * layout.shard_numel([tuple(shapes[n].shape) for n in names], world) * 4
+                for _, names in sharding.unit_parameters(module) if names)
+    model = sharding.shard(module)
+    if spec.communication.name == "allreduce":  # plain FSDP2's reduce-scatter, timed
+        return Sharded(model), sharding.TimedPlainReduceScatter(model, float(dense)), float(dense)
+    import gradwire.fsdp
+
+    return Sharded(model), gradwire.fsdp.compress(model, **spec.hook_options()), float(dense)
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
 def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     """Train one method from the same seed; returns its summary (identical on every rank)."""
     spec = parse_method(spec_text)
@@ -270,8 +345,12 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     workload = build_workload(config.model, config.data, seed=config.seed, text=config.text,
                               synthetic_size=config.synthetic_size)
     module = workload.model.to(device)
-    ddp, state = _wrap(module, spec, config, device)
-    holder: dict[str, Any] = {"ddp": ddp, "state": state}
+    plain_fsdp_bytes = math.nan
+    if config.fsdp:
+        ddp, state, plain_fsdp_bytes = _wrap_fsdp(module, spec)
+    else:
+        ddp, state = _wrap(module, spec, config, device)
+    holder: dict[str, Any] = {"ddp": ddp, "state": state, "plain_fsdp_bytes": plain_fsdp_bytes}
 
     def optimizer_factory(parameters: Any) -> torch.optim.Optimizer:
         return optimizers.build_optimizer(config.optimizer, parameters, lr=config.lr,
@@ -350,6 +429,11 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     measured = records[config.warmup_steps:] or records
     # a local-steps method syncs in bursts: its per-step numbers are means (a median would hide the syncs)
     aggregate = mean if spec.local_steps is not None else median
+    rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64, device=device)
+    every_rss = [torch.empty_like(rss) for _ in range(world)]
+    wait_for(dist.all_gather(every_rss, rss, async_op=True), None, "AllGather of peak memory")
+    residual_mb = (holder["state"].stats().get("residual_bytes", 0.0) / 2**20
+                   if holder["state"] is not None and config.fsdp else 0.0)
     summary = {
         "method": spec_text,
         "status": status,
@@ -374,6 +458,9 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
                     "seconds_communicate", "seconds_decompress")},
         "compute_only": config.compute_only,
         "per_step": "mean" if spec.local_steps is not None else "median",
+        "fsdp": config.fsdp,
+        "peak_rss_mb": [float(r) for r in every_rss],
+        "residual_mb": residual_mb,
         "wire": holder.get("wire"),
         "strategy_buckets": {key[len("count_"):-len("_buckets")]: value for key, value in
                              (records[-1] if records else {}).items() if key.endswith("_buckets")},

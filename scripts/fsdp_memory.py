@@ -1,0 +1,87 @@
+"""Peak memory per rank of FSDP2 training with and without gradwire's compressed reduce-scatter.
+
+One setting per launch (fresh processes: peak resident memory is a high-water mark). Each rank
+builds a byte-level GPT (``ByteGPT``; ``--d-model``, ``--layers``), ``fully_shard``s every block
+and the root (``gradwire.harness.sharding.shard``), builds AdamW, then trains ``--steps`` steps on
+random bytes. It reports, max over ranks: the resident set before the first step (model shards,
+optimizer, libraries), the peak resident set after the steps (``ru_maxrss``), their difference (the
+training step's memory: unsharded parameters and gradients in flight, sharded gradients, AdamW's
+two moments, and gradwire's residuals and transients), and gradwire's residual bytes.
+
+    torchrun --nproc-per-node 4 scripts/fsdp_memory.py --method plain
+    torchrun --nproc-per-node 4 scripts/fsdp_memory.py --method quantize:bits=8 [--d-model 512 --layers 8]
+
+``--method`` is ``plain`` (FSDP2's reduce-scatter) or a ``gradwire train`` method spec (e.g.
+``quantize:bits=4,residuals=bfloat16`` or ``topk:density=0.1,values=fp16,indices=rice``). Rank 0
+prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", default="plain")
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from gradwire.harness import sharding
+    from gradwire.harness.methods import parse_method
+    from gradwire.harness.models import build_model
+
+    model = build_model("gpt", vocab_size=256, context=128, d_model=args.d_model, n_layers=args.layers,
+                        n_heads=8, d_ff=4 * args.d_model, seed=0)
+    parameters = sum(p.numel() for p in model.parameters())
+    sharding.shard(model)
+    state = None
+    if args.method != "plain":
+        import gradwire.fsdp
+
+        state = gradwire.fsdp.compress(model, **parse_method(args.method).hook_options())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    before = _rss_mb()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        tokens = torch.randint(0, 256, (args.batch_size, 129), generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+    seconds = (time.perf_counter() - started) / args.steps
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    residual = state.residual_bytes() / 2**20 if state is not None else 0.0
+    mine = torch.tensor([before, peak, peak - before, residual, seconds], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine, async_op=True).wait()
+    worst = torch.stack(rows).amax(dim=0).tolist()
+    if dist.get_rank() == 0:
+        print(json.dumps({"method": args.method, "parameters": parameters, "world_size": dist.get_world_size(),
+                          "d_model": args.d_model, "layers": args.layers, "steps": args.steps,
+                          "rss_before_mb": round(worst[0], 1), "peak_rss_mb": round(worst[1], 1),
+                          "step_memory_mb": round(worst[2], 1), "residual_mb": round(worst[3], 1),
+                          "seconds_per_step": round(worst[4], 3)}), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)  # PyTorch's exit abort after gloo collectives (pytorch PR #179291)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""``gradwire.fsdp.compress``: a compressed reduce-scatter on every FSDP2 module, and its state.
+
+1. ``compress(model, ...)`` installs a :class:`CompressedReduceScatter` on every ``FSDPModule``
+   (``set_custom_reduce_scatter``) and makes FSDP include zero gradients for parameters a step
+   did not use (``set_reduce_scatter_unused_params``), so every call's layout is the module's
+   whole parameter list;
+2. each call (one per module per step, on backward's thread) is one round of the core: a
+   :class:`~gradwire.core.group.Group` over FSDP's flat input, one entry per (parameter,
+   destination chunk) (:mod:`.layout`), a :class:`~gradwire.core.group.ShardTarget` whose result
+   is FSDP's output shard, ``Pipeline.start`` then ``Pipeline.finish``;
+3. the verdict: apply (the shard is written), skip (zeros), or raise on every rank alike (the
+   typed error also stays on the state: :meth:`FSDPCompressionState.raise_if_failed`).
+
+HSDP (``fully_shard`` on a 2-D mesh, replicate x shard): FSDP2 would all-reduce each shard across
+replicas itself, densely, after the reduce-scatter, with no public switch to replace it
+(``set_requires_all_reduce(False)`` is gradient accumulation: FSDP then keeps the partial shard
+and assigns no gradient; the all-reduce hook runs *after* the native all-reduce). FSDP2's own
+extension point for a custom HSDP is the 1-D reduction (its code says so where it picks the
+all-reduce stream). So ``compress`` gives each HSDP parameter group the 1-D view of its mesh for
+the reduction (:func:`_reduce_in_one_dimension`, the one private attribute this module writes;
+parameters, all-gathers and DTensor placements keep the 2-D mesh), and the compressed
+reduce-scatter sums each shard across replicas itself, in the same round: one agreement, one
+verdict, and residuals that change only when both stages succeeded on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from ..core import checkpoint
+from ..core.config import ExchangeConfig
+from ..core.feedback import ErrorFeedback
+from ..core.group import Entry, Group, Replicas, ShardTarget
+from ..core.pipeline import Pipeline
+from ..core.round import RAISE, SKIP
+from ..core.strategies import Exchange
+from . import layout
+
+logger = logging.getLogger("gradwire")
+
+_ALLOWED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)
+
+
+@dataclass
+class _Unit:
+    """One FSDP module's reduce-scatter: its parameters in FSDP's order and where their state goes."""
+
+    name: str
+    param_group: Any  # FSDPParamGroup (torch-private type, read for its divide factor and parameters)
+    keys: list[Hashable]  # per parameter: the residual key's first part
+    tensor_ids: list[int]  # per parameter: its index among the model's parameters
+    shapes: list[tuple[int, ...]]
+    dtype: torch.dtype  # the residuals' dtype before storage (float32: float64 is refused)
+    replicas: Optional[dist.ProcessGroup]
+    replica_size: int
+
+    @property
+    def replica_key(self) -> Hashable:
+        return ("replicas", self.name)
+
+
+class _Completed(dist.Work):
+    """What an ``async_op=True`` call returns: the exchange is over when the call returns (its
+    rounds depend on each other and it must agree before it writes), so the Work is done."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2's ``ReduceScatter`` for one module: ``comm(output, input, group, op, async_op)``.
+
+    ``input`` is the module's flat unsharded gradient ``(p s,)`` in FSDP's reduce dtype, chunk by
+    rank (padded); ``output`` ``(s,)`` receives this rank's shard of the sum divided as ``op`` and
+    FSDP's divide factors say (see :meth:`FSDPCompressionState.divisor`).
+    """
+
+    def __init__(self, state: "FSDPCompressionState", unit: _Unit) -> None:
+        self.state, self.unit = state, unit
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Optional[dist.Work]:
+        self.state.reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
+        return _Completed() if async_op else None
+
+
+class FSDPCompressionState:
+    """Options and memory of gradwire's compressed reduce-scatter for one FSDP2 model; what
+    :func:`compress` returns. A thin FSDP adapter over the compression core
+    (:class:`~gradwire.core.pipeline.Pipeline`, ``self.pipeline``).
+
+    Args:
+        model: the model, after ``fully_shard`` (its FSDP modules and parameter names).
+        config: an :class:`~gradwire.ExchangeConfig` (see :func:`compress` for the options).
+
+    Raises:
+        ValueError: no FSDP module with parameters; several parameter groups per module (per-parameter
+            meshes); a parameter not sharded on dim 0; modules on different meshes; a mesh that is
+            neither 1-D nor HSDP's 2-D; float64 gradients; an option the reduce-scatter cannot honour.
+    """
+
+    def __init__(self, model: nn.Module, config: ExchangeConfig) -> None:
+        check_config(config)
+        self.config = config
+        self.model = model
+        self.units, self.process_group = _units(model)
+        self.pipeline = Pipeline(config, self.process_group, spare_buffers=False)
+        self.iteration = 0
+        #: the typed error of the last round that failed (FSDP's autograd hooks may re-wrap it)
+        self.error: Optional[BaseException] = None
+        self._called: set[int] = set()
+        #: the last round's exchange, held (with its collectives' Work) until the next round
+        self._last_round: list[Exchange] = []
+        self._names: dict[Hashable, str] = {}
+        self._specs: dict[str, checkpoint.ParameterSpec] = {}
+        for unit in self.units:
+            shard_size = _shard_size(unit)
+            for key, name, shape in zip(unit.keys, _parameter_names(model, unit), unit.shapes):
+                numel = layout.chunk_numel(shape, shard_size)
+                for chunk in range(shard_size):
+                    self._names[(key, chunk)] = f"{name}#{chunk}"
+                    self._specs[f"{name}#{chunk}"] = checkpoint.ParameterSpec(numel, unit.dtype)
+            if unit.replicas is not None:
+                self._names[unit.replica_key] = f"{unit.name or '<root>'}#replicas"
+                self._specs[f"{unit.name or '<root>'}#replicas"] = checkpoint.ParameterSpec(
+                    layout.shard_numel(unit.shapes, shard_size), unit.dtype)
+
+    # ----------------------------------------------------------------------------- public
+    @property
+    def feedback(self) -> Optional[ErrorFeedback]:
+        """This rank's error-feedback memory (None without error feedback)."""
+        return self.pipeline.feedback
+
+    def stats(self) -> dict[str, float]:
+        """Last step's (every module's reduce-scatter) and cumulative bytes and seconds; see
+        :class:`gradwire.core.stats.ExchangeStats`. ``bytes_dense`` is what plain FSDP2 sends."""
+        snapshot = self.pipeline.stats.snapshot()
+        snapshot["residual_norm"] = self.feedback.norm() if self.feedback is not None else 0.0
+        snapshot["residual_bytes"] = float(self.residual_bytes())
+        return snapshot
+
+    def residual_bytes(self) -> int:
+        """Bytes this rank's residuals hold now (4 n, or 2 n with ``residual_dtype="bfloat16"``,
+        for the unsharded gradient's n elements)."""
+        if self.feedback is None:
+            return 0
+        return sum(r.numel() * r.element_size() for r in self.feedback.residuals.values())
+
+    def describe(self) -> str:
+        """A canonical string of every option that must match across ranks."""
+        return self.config.describe()
+
+    def raise_if_failed(self) -> None:
+        """Raise the typed error of the last failed round (``CollectiveError``, ``DecodeError``,
+        ``DivergenceError``, ``NonFiniteGradientError``, ``StepFailedError``), if any, and forget it:
+        FSDP's autograd hooks may hand the caller of ``backward()`` another exception type."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def state_dict(self, gather: bool = False) -> dict[str, Any]:
+        """This rank's residuals (per parameter chunk ``"name#j"``, and per module ``"module#replicas"``
+        with HSDP), the step counter and whose state it is (rank, world size, options); see
+        :mod:`gradwire.core.checkpoint`. ``gather=True`` is a collective (rank 0 gets every rank's)."""
+        return self.pipeline.state_dict(names=self._names, specs=self._specs, iteration=self.iteration,
+                                        gather=gather)
+
+    def load_state_dict(self, state: dict[str, Any], device: "torch.device | str | None" = None) -> None:
+        """Restore :meth:`state_dict` output (this rank's own or the gathered form); tensors go to
+        ``device`` (default: the parameters'). Raises ``ValueError`` for another rank's state,
+        another world size, other options, or tensors that do not fit (nothing changes then)."""
+        if device is None:
+            device = next(self.model.parameters()).device
+        self.iteration = self.pipeline.load_state_dict(state, names=self._names, specs=self._specs, device=device)
+        self._called, self._last_round, self.error = set(), [], None
+
+    # ------------------------------------------------------------------------- the exchange
+    def divisor(self, unit: _Unit, op: Any, shard_size: int) -> float:
+        """What the sum over ranks is divided by before it is written.
+
+        FSDP2 asks for a mean (``AVG``: over the shard group, or with HSDP over every rank), for a
+        division by its ``gradient_divide_factor`` (``PREMUL_SUM``, or ``AVG`` when the factor is
+        the shard group's size), or for a ``SUM`` that it divides itself before and after the call
+        (``set_force_sum_reduction_for_comms``, fp16): by the factor, else the 1-D group's size.
+        With HSDP the intended total is the factor, else the size of both dimensions; this returns
+        what remains of it after FSDP's own division.
+        """
+        if not any(op == allowed for allowed in _ALLOWED_OPS):  # a PREMUL_SUM(x) is only equal from its own side
+            raise ValueError(f"gradwire's reduce-scatter supports SUM, AVG and PREMUL_SUM, not {op}")
+        factor = unit.param_group.gradient_divide_factor
+        intended = float(factor) if factor is not None else float(shard_size * unit.replica_size)
+        by_fsdp = 1.0
+        if op == dist.ReduceOp.SUM:
+            by_fsdp = float(factor) if factor is not None else float(shard_size)
+        return intended / by_fsdp
+
+    def reduce_scatter(self, unit: _Unit, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                       op: Any) -> None:
+        """One module's round: the core's exchange of ``input`` into ``output`` (module docstring).
+
+        Raises:
+            ValueError: the input does not have the module's layout (nothing was sent).
+            The round's error (every rank raises at the same module and step): see
+                :meth:`raise_if_failed`.
+        """
+        self.pipeline.check_config()
+        self._last_round = []
+        shard_size = group.size()
+        expected = layout.shard_numel(unit.shapes, shard_size)
+        if output.numel() != expected or input.numel() != shard_size * expected:
+            raise ValueError(f"gradwire.fsdp: module {unit.name or '<root>'!r} reduce-scatters {input.numel()} -> "
+                             f"{output.numel()} elements; its parameters' layout is {shard_size} x {expected}")
+        entries = [Entry((unit.keys[piece.parameter], piece.chunk),
+                         unit.tensor_ids[piece.parameter] * shard_size + piece.chunk,
+                         input[piece.offset: piece.offset + piece.numel], piece.offset)
+                   for piece in layout.pieces(unit.shapes, shard_size)]
+        replicas = None if unit.replicas is None else \
+            Replicas(unit.replicas, unit.replica_key, -1 - self.units.index(unit))
+        target = ShardTarget(input, output, group=group, replicas=replicas)
+        round_group = Group(target, entries, divisor=self.divisor(unit, op, shard_size))
+        step = self.iteration
+        exchange = self.pipeline.start(round_group, step)
+        verdict = self.pipeline.finish([round_group], [exchange], step)
+        self._last_round = [exchange]
+        self._count(unit)
+        if verdict.action == RAISE:
+            assert verdict.error is not None
+            self.error = verdict.error
+            raise verdict.error
+        if verdict.action == SKIP:
+            output.zero_()
+
+    def _count(self, unit: _Unit) -> None:
+        """A step ends when every module has reduced once (FSDP reduces each module once per
+        step, unused parameters included: ``compress`` asks for them)."""
+        index = self.units.index(unit)
+        if index in self._called:  # a module reduced twice: some module skipped the last step
+            self._end_step()
+        self._called.add(index)
+        if len(self._called) == len(self.units):
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self._called = set()
+        self.iteration += 1
+        self.pipeline.stats.end_step()
+        if self.config.log_every and self.iteration % self.config.log_every == 0:
+            logger.info("gradwire.fsdp step %d: %s", self.iteration, self.stats())
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("FSDPCompressionState holds process groups and FSDP's parameter groups; save "
+                        "state_dict() instead")
+
+
+def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, **options: Any) -> FSDPCompressionState:
+    """Install gradwire's compressed reduce-scatter on every ``FSDPModule`` in ``model``.
+
+    Call it on every rank after ``fully_shard`` and before the first backward.
+
+    Args:
+        model: a model ``fully_shard`` was applied to (1-D mesh, or HSDP's 2-D replicate x shard).
+        config: an :class:`~gradwire.ExchangeConfig`; or its options as keywords, those of
+            :class:`~gradwire.CommHookState` (``scope``, ``hierarchy`` and ``collective`` other than
+            ``"auto"``/``"dense"`` do not apply to a reduce-scatter) plus:
+        quantize: ``"int8"`` or ``"int4"``: blockwise (``quantize_block`` values per float32
+            scale) over one all-to-all, summed in float32 by each shard's owner (``compressor``
+            defaults to ``"none"`` then); None: a sparsifier (``compressor``, ``density``, codecs).
+        error_feedback: keep per rank what was not sent (residuals of the unsharded gradient).
+        residual_dtype: ``"float32"`` (4 bytes per gradient element per rank) or ``"bfloat16"`` (2).
+
+    Returns:
+        The :class:`FSDPCompressionState` (``stats()``, ``state_dict()``, ``load_state_dict()``,
+        ``raise_if_failed()``).
+
+    Raises:
+        ValueError: see :class:`FSDPCompressionState`; or an invalid option (naming it).
+    """
+    if config is not None and options:
+        raise ValueError(f"pass either config= or options, not both (got {', '.join(sorted(options))})")
+    if config is None:
+        if options.get("quantize") is not None:
+            options.setdefault("compressor", "none")
+        config = ExchangeConfig(**options)
+    state = FSDPCompressionState(model, config)
+    for unit in state.units:
+        for module in _modules_of(model, unit):
+            module.set_custom_reduce_scatter(CompressedReduceScatter(state, unit))
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+    return state
+
+
+# --------------------------------------------------------------------------------- FSDP's side
+def check_config(config: ExchangeConfig) -> None:
+    """``ValueError`` for an option FSDP's reduce-scatter cannot honour (before any rank starts)."""
+    if config.scope != "layer":
+        raise ValueError("scope='global' does not apply to FSDP: each module's reduce-scatter is its own round")
+    if config.hierarchy is not None:
+        raise ValueError("hierarchy does not apply to FSDP's reduce-scatter (for HSDP, fully_shard on a 2-D mesh)")
+    if config.collective not in ("auto", "dense"):
+        raise ValueError(f"collective={config.collective!r} does not apply to a reduce-scatter (it has one sparse "
+                         "form: regions = shards); use 'auto' or 'dense'")
+    if config.compressor != "none" and not config.index_codec.lossless:
+        raise ValueError(f"the sparse reduce-scatter sums entries by position, so index_codec must be lossless; "
+                         f"got {config.index_codec.name!r}")
+
+
+def _param_group(module: FSDPModule) -> Any:
+    """The module's one FSDP parameter group (None: it has no parameters of its own)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError("gradwire.fsdp does not support several parameter groups per module (per-parameter "
+                         "meshes from shard_placement_fn): FSDP's custom reduce-scatter is one per module")
+    return groups[0] if groups else None
+
+
+def _units(model: nn.Module) -> tuple[list[_Unit], Optional[dist.ProcessGroup]]:
+    """Every FSDP module with parameters, and the process group their rounds agree over."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+    )
+
+    index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    modules = {id(m): n for n, m in model.named_modules()}
+    units, meshes = [], []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = _param_group(module)
+        if group is None or not any(p.sharded_param.requires_grad for p in group.fsdp_params):
+            continue
+        info = group.mesh_info
+        if not isinstance(info, FSDPMeshInfo):
+            raise ValueError("gradwire.fsdp needs a sharded mesh (fully_shard), not FSDP2's pure replication")
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param.fsdp_placement.dim != 0:
+                raise ValueError(f"parameter {fsdp_param._module_info.param_name!r} is sharded on dim "
+                                 f"{fsdp_param.fsdp_placement.dim}; gradwire.fsdp needs dim 0 (fully_shard's default)")
+        if any(p.sharded_param.dtype == torch.float64 for p in group.fsdp_params):
+            raise ValueError("gradwire.fsdp reduces float32, bfloat16 or float16 gradients, not float64")
+        replicas = info.replicate_process_group if isinstance(info, HSDPMeshInfo) else None
+        if replicas is not None:
+            _reduce_in_one_dimension(group)
+        meshes.append(info.mesh)
+        units.append(_Unit(
+            name=modules[id(module)], param_group=group,
+            keys=[id(p.sharded_param) for p in group.fsdp_params],
+            tensor_ids=[index.get(id(p.sharded_param), i) for i, p in enumerate(group.fsdp_params)],
+            shapes=[tuple(p._orig_size) for p in group.fsdp_params],
+            dtype=torch.float32,
+            replicas=replicas, replica_size=1 if replicas is None else dist.get_world_size(replicas)))
+    if not units:
+        raise ValueError("no FSDPModule with trainable parameters in the model: call fully_shard first")
+    mesh = meshes[0]
+    if any(m != mesh for m in meshes):
+        raise ValueError("gradwire.fsdp needs every FSDP module on one mesh")
+    if mesh.ndim == 1:
+        return units, mesh.get_group()
+    if mesh.ndim == 2 and mesh.size() == dist.get_world_size():
+        return units, None  # HSDP: every round agrees over the whole mesh, here the world
+    raise ValueError(f"gradwire.fsdp needs a 1-D mesh or a 2-D (replicate, shard) mesh over the whole world; "
+                     f"got {mesh.ndim}-D of {mesh.size()} ranks")
+
+
+def _reduce_in_one_dimension(param_group: Any) -> None:
+    """Turn FSDP2's dense HSDP all-reduce off for ``param_group``: its reduction sees the 1-D
+    (shard) view of the mesh, so FSDP reduce-scatters only (through gradwire, which sums across
+    replicas itself) and then divides and assigns the gradients as for 1-D FSDP. The parameters,
+    their all-gathers and DTensor placements keep the 2-D mesh (the module docstring says why)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    info = param_group.mesh_info
+    flat = FSDPMeshInfo(mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim, replicate_mesh_dim=info.replicate_mesh_dim,
+                        dp_mesh_dims=info.dp_mesh_dims, spmd_mesh=info.spmd_mesh)
+    flat.reduce_scatter_process_group = info.reduce_scatter_process_group
+    if flat.shard_process_group is not info.shard_process_group:
+        raise RuntimeError("gradwire.fsdp: this torch's FSDP2 builds its mesh views differently; HSDP unsupported")
+    if param_group.post_forward_mesh_info is info:
+        param_group.post_forward_mesh_info = flat
+    param_group.mesh_info = flat
+
+
+def _modules_of(model: nn.Module, unit: _Unit) -> list[FSDPModule]:
+    return [m for n, m in model.named_modules() if n == unit.name and isinstance(m, FSDPModule)]
+
+
+def _shard_size(unit: _Unit) -> int:
+    return unit.param_group.mesh_info.shard_mesh_size
+
+
+def _parameter_names(model: nn.Module, unit: _Unit) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(key, f"{unit.name}.{i}") for i, key in enumerate(unit.keys)]
+

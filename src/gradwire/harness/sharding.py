@@ -1,0 +1,229 @@
+"""FSDP2 for the harness: which modules ``gradwire train --fsdp`` shards, and a single-process
+simulation of gradwire's compressed reduce-scatter for :func:`~.simulate.simulate`.
+
+:func:`units` is the wrapping policy: every transformer block (a module whose class name ends in
+``Block`` or is a ``TransformerEncoderLayer``/``DecoderLayer``), else every top-level child that
+holds parameters; then the root, which takes the parameters left over (embeddings, final norm,
+head). :func:`unit_parameters` gives each unit's parameter names in FSDP's order, which fixes the
+flat layout of its reduce-scatter (:mod:`gradwire.fsdp.layout`).
+
+:class:`ShardedReduce` is a ``reduce`` for :func:`~.simulate.simulate` that does per FSDP unit
+what ``gradwire.fsdp.compress`` does on W ranks, with W simulated workers:
+
+* ``quantize="int8" | "int4"``: each worker adds its residual to its flat gradient, quantizes every
+  destination chunk blockwise (:func:`gradwire.exchange.blockquant.roundtrip`, blocks restarting
+  at every parameter's piece of the chunk) and keeps ``x - D(Q(x))`` as its residual; each owner
+  sums the dequantized chunks in worker order, in float32 (``block_size=None``: one scale per
+  parameter chunk, the per-tensor comparison);
+* a sparsifier (``compressor="topk"``, ``density=``): each worker selects per (parameter,
+  destination) piece from ``grad + residual`` with the library's sparsifier, codes the values with
+  the value codec (what the owner decodes is what it sums, and what the sender subtracts), keeps
+  the rest as its residual; owners sum in worker order;
+* neither: the exact fp32 mean (plain FSDP2's reduce-scatter).
+
+The result is divided by W (FSDP's AVG) and handed back per parameter: every worker's full
+parameter is the concatenation of the owners' shards, as FSDP2's all-gather makes it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import codecs as codec_layer
+from ..core.strategies.sparse_allreduce import RegionCodecAdapter
+from ..exchange.blockquant import quantized_bytes, roundtrip
+from ..fsdp import layout
+from ..sparsify import get_sparsifier
+
+_BLOCK_NAMES = ("TransformerEncoderLayer", "TransformerDecoderLayer")
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules to ``fully_shard``, innermost first; the root is last."""
+    blocks = [m for m in model.modules() if m is not model
+              and (type(m).__name__.endswith("Block") or type(m).__name__ in _BLOCK_NAMES)]
+    if not blocks:
+        blocks = [child for child in model.children() if any(True for _ in child.parameters())]
+    return [*blocks, model]
+
+
+def unit_parameters(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """Per unit (in :func:`units` order): its name and its parameter names in FSDP's order (the
+    unit's ``named_parameters()`` order, minus those an inner unit already took)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    taken: set[int] = set()
+    out = []
+    for unit in units(model):
+        mine = [p for p in unit.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in mine)
+        out.append((module_names[id(unit)], [names[id(p)] for p in mine]))
+    return out
+
+
+class TimedPlainReduceScatter:
+    """Plain FSDP2's reduce-scatter (``reduce_scatter_tensor``, FSDP's op, blocking as FSDP2 calls
+    it on CPU), timed: installed on every unit for ``gradwire train --fsdp``'s ``allreduce``, so its
+    communication phase can be compared with gradwire's. ``stats()`` looks like gradwire's."""
+
+    def __init__(self, model: nn.Module, bytes_per_step: float) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        from ..lifetime import wait_for
+
+        timed = self
+
+        class Timed(ReduceScatter):
+            def allocate(self, size: object, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+                return torch.empty(*size, dtype=dtype, device=device)  # type: ignore[misc]
+
+            def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: object, op: object,
+                         async_op: bool = False) -> None:
+                import time
+
+                import torch.distributed as dist
+
+                started = time.perf_counter()
+                work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+                wait_for(work, None, "reduce_scatter_tensor (plain FSDP2)")
+                timed.seconds += time.perf_counter() - started
+                return None
+
+        self.seconds, self.last_seconds, self.bytes_per_step = 0.0, 0.0, bytes_per_step
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
+                module.set_custom_reduce_scatter(Timed())
+
+    def stats(self) -> dict[str, float]:
+        """Seconds in the reduce-scatters since the last call, and the step's bytes."""
+        self.last_seconds, self.seconds = self.seconds, 0.0
+        return {"seconds_sparsify": 0.0, "seconds_encode": 0.0, "seconds_decode": 0.0,
+                "seconds_communicate": self.last_seconds, "bytes_sent": self.bytes_per_step}
+
+
+def shard(model: nn.Module, mesh: "object | None" = None, **options: object) -> nn.Module:
+    """``fully_shard`` every unit of ``model`` (in place) on ``mesh`` (None: the world, 1-D)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh, **options)
+    return model
+
+
+class ShardedReduce:
+    """A ``reduce`` for :func:`~.simulate.simulate`: gradwire's compressed reduce-scatter per
+    FSDP unit, for ``workers`` simulated ranks (module docstring).
+
+    Args:
+        model: the workload's model (only its parameter names and shapes are read).
+        workers: W.
+        quantize: None, ``"int8"`` or ``"int4"``.
+        block_size: values per scale (None: one per parameter chunk).
+        compressor, density: a gradwire sparsifier and its density (ignored with ``quantize``;
+            ``compressor="none"``: the exact mean).
+        value_codec, index_codec: the sparse payload's codecs (the index codec must be lossless).
+        error_feedback: keep what was not sent, per worker.
+        residual_dtype: the residuals' storage dtype (float32 or bfloat16).
+        seed: the sparsifier's seed.
+        aligned: quantization blocks restart at every parameter's chunk, as the core's do (False:
+            blocks from each destination chunk's start, straddling parameters: the comparison).
+        warmup_steps: the exact mean for the first N steps (the core's dense reduce-scatter).
+    """
+
+    def __init__(self, model: nn.Module, workers: int, *, quantize: Optional[str] = None,
+                 block_size: Optional[int] = 128, compressor: str = "none", density: Optional[float] = None,
+                 value_codec: str = "fp32", index_codec: str = "rice", error_feedback: bool = True,
+                 residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True,
+                 warmup_steps: int = 0) -> None:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        position = {n: i for i, n in enumerate(names)}
+        shapes = dict(model.named_parameters())
+        self.units = [members for members in ([position[n] for n in unit_names if n in position]
+                                              for _, unit_names in unit_parameters(model)) if members]
+        self.shapes = [tuple(shapes[n].shape) for n in names]
+        self.workers = workers
+        self.bits = {None: None, "int8": 8, "int4": 4}[quantize]
+        self.block_size = block_size
+        self.sparsifier = None if quantize or compressor == "none" else \
+            get_sparsifier(compressor, density=density, seed=seed)
+        values, indices = codec_layer.resolve_codecs(value_codec, index_codec, {})
+        self.codec = RegionCodecAdapter(index_codec=indices, value_codec=values)
+        self.error_feedback = error_feedback
+        self.aligned = aligned
+        self.warmup_steps = warmup_steps
+        self.residual_dtype = residual_dtype
+        #: residuals[w][unit]: worker w's residual over the unit's flat gradient
+        self.residuals: list[dict[int, Tensor]] = [{} for _ in range(workers)]
+        self.step = 0
+        self.bytes_sent = 0.0  # what every worker handed to the all-to-all for its peers, summed over workers
+
+    def __call__(self, grads: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+        out: list[Optional[Tensor]] = [None] * len(self.shapes)
+        for unit, members in enumerate(self.units):
+            shapes = [self.shapes[i] for i in members]
+            flats = [layout.flatten([grads[w][i].float() for i in members], self.workers)
+                     for w in range(self.workers)]
+            warming = self.step < self.warmup_steps
+            if self.bits is not None and not warming:
+                total = self._quantized(unit, flats, shapes)
+            elif self.sparsifier is not None and not warming:
+                total = self._sparse(unit, flats, shapes, members)
+            else:
+                total = flats[0].clone()
+                for flat in flats[1:]:
+                    total += flat
+            total /= self.workers
+            for i, tensor in zip(members, layout.unflatten(total, shapes, self.workers)):
+                out[i] = tensor
+        self.step += 1
+        return out  # type: ignore[return-value]
+
+    def _compensated(self, w: int, unit: int, flat: Tensor) -> Tensor:
+        residual = self.residuals[w].get(unit)
+        return flat if residual is None else flat + residual.float()
+
+    def _keep(self, w: int, unit: int, residual: Tensor) -> None:
+        if self.error_feedback:
+            self.residuals[w][unit] = residual.to(self.residual_dtype)
+
+    def _quantized(self, unit: int, flats: list[Tensor], shapes: list[tuple[int, ...]]) -> Tensor:
+        total: Optional[Tensor] = None
+        for w, flat in enumerate(flats):
+            x = self._compensated(w, unit, flat).reshape(self.workers, -1)
+            # blocks restart at every parameter's chunk, as the core's quantized reduce-scatter does
+            segments = [layout.chunk_numel(shape, self.workers) for shape in shapes]
+            block = max(segments) if self.block_size is None else self.block_size  # None: one scale per chunk
+            _, local = roundtrip(x, bits=self.bits, block_size=max(1, block),
+                                 segments=segments if self.aligned else None)
+            self._keep(w, unit, (x - local).reshape(-1))
+            # every worker sends its p - 1 other chunks (the one it owns stays)
+            self.bytes_sent += (self.workers - 1) * quantized_bytes(
+                x.shape[-1], self.bits, max(1, block), segments if self.aligned else None)
+            total = local.reshape(-1).clone() if total is None else total + local.reshape(-1)
+        assert total is not None
+        return total
+
+    def _sparse(self, unit: int, flats: list[Tensor], shapes: list[tuple[int, ...]], members: list[int]) -> Tensor:
+        assert self.sparsifier is not None
+        pieces = layout.pieces(shapes, self.workers)
+        total = torch.zeros_like(flats[0])
+        for w, flat in enumerate(flats):
+            x = self._compensated(w, unit, flat)
+            residual = x.clone()
+            for piece in pieces:
+                part = x[piece.offset: piece.offset + piece.numel]
+                indices = self.sparsifier.select(part, step=self.step,
+                                                 tensor_id=members[piece.parameter] * self.workers + piece.chunk)
+                if indices.numel() == 0:
+                    continue
+                data, sent = self.codec.encode(indices=indices, values=part[indices], numel=piece.numel)
+                self.bytes_sent += len(data) * (piece.chunk != w)
+                positions = indices + piece.offset
+                total[positions] += sent
+                residual[positions] -= sent
+            self._keep(w, unit, residual)
+        return total
