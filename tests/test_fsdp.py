@@ -154,7 +154,10 @@ def test_compressed_settings_train_and_keep_every_rank_alike(name: str) -> None:
     results = run_workers(worker_compare, 3, SETTINGS[name], 20, {}, timeout=240)
     for result in results:
         losses, plain = result["losses"], result["plain_losses"]
-        assert sum(losses[-5:]) < 0.75 * sum(losses[:5]), losses  # it learns, about as plain FSDP2 does
+        # it learns, about as plain FSDP2 does: at least half of plain's fall over the same batches (on
+        # each rank's own data; an absolute ratio is too tight for the ranks whose batches fall less)
+        fall, plain_fall = sum(losses[:5]) - sum(losses[-5:]), sum(plain[:5]) - sum(plain[-5:])
+        assert plain_fall > 0 and fall > 0.5 * plain_fall, (losses, plain)
         assert sum(losses[-5:]) < 1.5 * sum(plain[-5:]) + 0.05, (losses, plain)
         assert 0 < result["bytes_sent"] < 0.7 * result["bytes_dense"], result  # tiny tensors: headers count
         assert result["residual_bytes"] > 0
