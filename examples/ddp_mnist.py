@@ -62,7 +62,8 @@ def train(method: str, args: argparse.Namespace, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="allreduce,topk", help="comma-separated: allreduce or a gradwire compressor")
+    parser.add_argument("--methods", default="allreduce,topk",
+                        help="comma-separated: allreduce or a gradwire compressor")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--value-codec", default="fp32")
     parser.add_argument("--index-codec", default="rice")

@@ -58,7 +58,8 @@ def _digest(model: torch.nn.Module) -> str:
     return hasher.hexdigest()
 
 
-def _train(rank: int, options: dict, steps: int, bucket_cap_mb: float = 0.001, accumulate: bool = False) -> tuple[str, dict]:
+def _train(rank: int, options: dict, steps: int, bucket_cap_mb: float = 0.001,
+           accumulate: bool = False) -> tuple[str, dict]:
     model = DDP(_model(), bucket_cap_mb=bucket_cap_mb)  # tiny buckets: several per step, rebuilt after step 1
     state = gradwire.CommHookState(model=model, **options)
     model.register_comm_hook(state, gradwire.comm_hook)
@@ -86,7 +87,8 @@ def worker_density_one(rank: int, world_size: int) -> dict:
     grads = _grads_after_one_step(rank, {"compressor": "topk", "density": 1.0, "scope": "global"})
     out[("topk", "global")] = max(float((g - r).abs().max()) for g, r in zip(grads, reference))
     bf16_reference = _grads_after_one_step(rank, None, dtype=torch.bfloat16)
-    grads = _grads_after_one_step(rank, {"compressor": "topk", "density": 1.0, "collective": "allgather"}, dtype=torch.bfloat16)
+    grads = _grads_after_one_step(rank, {"compressor": "topk", "density": 1.0, "collective": "allgather"},
+                                  dtype=torch.bfloat16)
     out[("topk", "bf16")] = max(float((g.float() - r.float()).abs().max()) for g, r in zip(grads, bf16_reference))
     return out
 

@@ -60,7 +60,8 @@ def worker_strategies(rank: int, world_size: int) -> dict:
     # density 1.0: the sparse AllReduce keeps every entry, so it equals DDP's AllReduce
     *_, reference = _train(rank, None, 1)
     *_, full = _train(rank, {**STRATEGIES["sparse-allreduce"], "density": 1.0, "value_codec": "fp32"}, 1)
-    out["full_matches_dense"] = max(float((a - b).detach().abs().max()) for a, b in zip(reference.parameters(), full.parameters()))
+    out["full_matches_dense"] = max(float((a - b).detach().abs().max())
+                                    for a, b in zip(reference.parameters(), full.parameters()))
     return out
 
 

@@ -19,7 +19,8 @@ from gradwire.harness.training import file_slug
 def test_method_specs_parse() -> None:
     spec = parse_method("topk:density=0.01,values=fp16,indices=eliasfano")
     assert spec.communication.name == "topk" and spec.pufferfish is None
-    assert spec.hook_options() == {"compressor": "topk", "density": 0.01, "value_codec": "fp16", "index_codec": "eliasfano"}
+    assert spec.hook_options() == {"compressor": "topk", "density": 0.01, "value_codec": "fp16",
+                                   "index_codec": "eliasfano"}
     combined = parse_method("pufferfish:rank_ratio=0.25,warmup_epochs=1+topk:density=0.01")
     assert combined.pufferfish.options == {"rank_ratio": 0.25, "warmup_epochs": 1}
     assert combined.communication.options == {"density": 0.01}
@@ -71,7 +72,8 @@ def _train(tmp_path, *extra: str) -> tuple[list[dict], str]:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_train_smoke_every_method_family(tmp_path) -> None:
-    methods = ["allreduce", "torch-fp16", "torch-powersgd:rank=2", "topk:density=0.05,values=fp16,indices=rice,collective=allgather",
+    methods = ["allreduce", "torch-fp16", "torch-powersgd:rank=2",
+               "topk:density=0.05,values=fp16,indices=rice,collective=allgather",
                "randomblock:density=0.05", "pufferfish:rank_ratio=0.25,warmup_epochs=1+topk:density=0.1"]
     summaries, _ = _train(tmp_path, "--epochs", "2", "--steps-per-epoch", "4",
                           *[arg for m in methods for arg in ("--method", m)])

@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW's decoupled weight decay, SGD's L2 term (default: sgd 0, adamw 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and data order (default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default %(default)s)")
-    parser.add_argument("--compute-only", action="store_true", help="forward+backward under no_sync(): no communication")
+    parser.add_argument("--compute-only", action="store_true",
+                        help="forward+backward under no_sync(): no communication")
     parser.add_argument("--fsdp", action="store_true",
                         help="FSDP2 instead of DDP: fully_shard every block (and the root); allreduce is plain FSDP2, "
                              "a gradwire method its compressed reduce-scatter (gradwire.fsdp.compress)")
@@ -119,9 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --cluster: workers per node; in-node traffic is unshaped, cross-node traffic "
                              "crosses the node's rate-limited link")
     parser.add_argument("--bandwidth", default=None,
-                        help=f"with --cluster: link rate, e.g. 100mbit, 1gbit (default {DEFAULT_BANDWIDTH}, or the rate "
-                             f"of the cluster that is up)")
-    parser.add_argument("--latency", default=None, help=f"with --cluster: one-way link latency (default {DEFAULT_LATENCY})")
+                        help=f"with --cluster: link rate, e.g. 100mbit, 1gbit (default {DEFAULT_BANDWIDTH}, "
+                             f"or the rate of the cluster that is up)")
+    parser.add_argument("--latency", default=None,
+                        help=f"with --cluster: one-way link latency (default {DEFAULT_LATENCY})")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds before the workers are stopped (> 0; default %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH",

@@ -115,7 +115,8 @@ class ErrorFeedback:
     def state_dict(self, names: dict[Hashable, str]) -> dict[str, torch.Tensor]:
         return {names[key]: value.detach().cpu().clone() for key, value in self.residuals.items() if key in names}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], keys: dict[str, Hashable], device_of: dict[Hashable, torch.device]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], keys: dict[str, Hashable],
+                        device_of: dict[Hashable, torch.device]) -> None:
         self.residuals = {keys[name]: value.to(device_of[keys[name]]).clone() for name, value in state.items()}
         self._spares = {}
 

@@ -5,7 +5,8 @@ of an iteration (global scope), a ``GradientExchange`` bucket, an FSDP module's 
 Its gradients (:class:`Entry`) are views into its target's tensors; a strategy writes the reduced
 result back with :meth:`Group.write`, divided by ``divisor`` (the world size for a mean, 1 for a
 sum, or an FSDP divide factor). Two targets: :class:`BufferTarget` (every rank gets the whole
-result) and :class:`ShardTarget` (FSDP2's reduce-scatter: each rank gets its own shard). Nothing here resolves anything: the front-end
+result) and :class:`ShardTarget` (FSDP2's reduce-scatter: each rank gets its own shard). Nothing
+here resolves anything: the front-end
 does, once every rank agreed the round succeeded (:mod:`gradwire.core.round`), so no rank ever
 hands its framework a half-written or unagreed result.
 

@@ -104,7 +104,8 @@ def decode_bucket(data: memoryview, numels: Sequence[int], offsets: Sequence[int
     return _flatten([(values, indices) for values, indices, _ in tensors], offsets)
 
 
-def _flatten(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], offsets: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             offsets: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-part (values, local indices) -> (positions, values) in the group's flat space."""
     if not pieces:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0)

@@ -189,7 +189,8 @@ class Pipeline:
         iteration it was saved at. Raises ``ValueError`` for another rank's state, another world
         size, other options, or tensors that do not fit (nothing is changed then)."""
         if not names:
-            raise ValueError("load_state_dict needs parameter names: pass model= to CommHookState or call attach(model)")
+            raise ValueError("load_state_dict needs parameter names: pass model= to CommHookState or call "
+                             "attach(model)")
         kinds = () if self.feedback is None else \
             ("residuals", "velocities") if isinstance(self.feedback, MomentumCorrection) else ("residuals",)
         mine = checkpoint.select_state(state, rank=self.rank(), world_size=world_size_of(self.process_group),

@@ -64,8 +64,8 @@ class Planner:
     set here for the strategies that reduce before they select.
     """
 
-    def __init__(self, config: ExchangeConfig, sparsifier: Optional[Sparsifier], process_group: Optional[dist.ProcessGroup],
-                 world_size: int) -> None:
+    def __init__(self, config: ExchangeConfig, sparsifier: Optional[Sparsifier],
+                 process_group: Optional[dist.ProcessGroup], world_size: int) -> None:
         self.config = config
         self.sparsifier = sparsifier
         self.process_group = process_group

@@ -366,7 +366,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
             return new_ddp
 
         puffer = spec.pufferfish.options
-        warmup = Warmup(ddp, optimizer_factory, puffer.get("warmup_epochs", 1), rank_ratio=puffer.get("rank_ratio", 0.25),
+        warmup = Warmup(ddp, optimizer_factory, puffer.get("warmup_epochs", 1),
+                        rank_ratio=puffer.get("rank_ratio", 0.25),
                         carry_momentum=puffer.get("carry_momentum", False), extra_bn=puffer.get("extra_bn", False),
                         ddp_factory=rewrap)
         optimizer = warmup.optimizer
@@ -386,12 +387,14 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     folder = os.path.join(config.checkpoint_dir, file_slug(spec_text)) if config.checkpoint_dir else None
     start_step = resume.latest_step(folder) if folder else 0
     if start_step:
-        resume.load(folder, start_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"], device=device)
+        resume.load(folder, start_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"],
+                    device=device)
         if spec.local_steps is not None:  # the per-step byte counts go on from the restored counters
             stats = holder["state"].stats()
             holder["local_last"] = (stats["bytes_sent"], stats["seconds_sync"] + stats["seconds_warmup"])
         if rank == 0:
-            print(f"gradwire: {spec_text}: resumed from the checkpoint of step {start_step}", file=sys.stderr, flush=True)
+            print(f"gradwire: {spec_text}: resumed from the checkpoint of step {start_step}", file=sys.stderr,
+                  flush=True)
     records: list[dict[str, Any]] = []
     metrics_file = None
     if config.out and rank == 0:

@@ -411,7 +411,8 @@ class DiLoCo:
                              f"this DiLoCo has {self.describe()!r}")
         for name, parameter in zip(self.names, self.parameters):
             stored = state["global"].get(name)
-            if not (isinstance(stored, torch.Tensor) and stored.shape == parameter.shape and stored.is_floating_point()):
+            if not (isinstance(stored, torch.Tensor) and stored.shape == parameter.shape
+                    and stored.is_floating_point()):
                 raise ValueError(f"DiLoCo state: global parameter {name!r} is missing or not shaped "
                                  f"{tuple(parameter.shape)}")
         keys = dict(zip(self._keys, self.names))
