@@ -11,5 +11,5 @@ $py -m gradwire bench lowrank --json bench-out/lowrank.json > bench-out/lowrank.
 $py -m gradwire bench hostile --costs --json bench-out/hostile.json > bench-out/hostile.txt 2>&1
 $py -m gradwire bench e2e --workers 4 --bandwidths 100mbit,1gbit,10gbit --rounds 2 --accuracy \
   --accuracy-methods "allreduce;topk:density=0.01,values=fp16,indices=rice;topk:density=0.01,values=fp32,indices=rice;pufferfish:rank_ratio=0.25,warmup_epochs=1" \
-  --out bench-out/e2e-v3 > bench-out/e2e-v3.txt 2>&1
+  --out bench-out/e2e > bench-out/e2e.txt 2>&1
 echo done > bench-out/ALL_DONE
