@@ -338,3 +338,26 @@ def test_absurd_announced_length_is_refused_on_every_rank(lie_step: int) -> None
     way every rank refuses before allocating anything for the announced size."""
     for message in run_workers(worker_lying_length, 2, lie_step, timeout=60, pg_timeout=10):
         assert "announced a payload of 1099511627776 bytes" in message, message
+
+
+def worker_counts(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, options in (("allgather", {"compressor": "topk", "density": 0.1, "collective": "allgather"}),
+                          ("sparse-allreduce", {"compressor": "topk", "density": 0.1, "collective": "sparse-allreduce"}),
+                          ("shared-support", {"compressor": "randomk", "density": 0.1, "collective": "allreduce"}),
+                          ("global", {"compressor": "topk", "density": 0.1, "scope": "global",
+                                      "collective": "allgather"}),
+                          ("momentum", {"compressor": "topk", "density": 0.1, "collective": "allgather",
+                                        "momentum_correction": 0.9})):
+        _, stats = _train(rank, options, 4)
+        out[name] = (stats.get("count_selections"), stats.get("count_compensations"))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_every_entry_is_compensated_and_selected_exactly_once_per_step() -> None:
+    # the wave-2 hook selected twice per finite per-rank bucket (and compensated twice); the core counts
+    # both per entry (one entry per parameter), so 4 steps of a 6-parameter model give 24 of each
+    for counts in run_workers(worker_counts, 2, timeout=150):
+        for name, (selections, compensations) in counts.items():
+            assert (selections, compensations) == (24, 24), (name, selections, compensations)
