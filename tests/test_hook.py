@@ -343,7 +343,8 @@ def test_absurd_announced_length_is_refused_on_every_rank(lie_step: int) -> None
 def worker_counts(rank: int, world_size: int) -> dict:
     out = {}
     for name, options in (("allgather", {"compressor": "topk", "density": 0.1, "collective": "allgather"}),
-                          ("sparse-allreduce", {"compressor": "topk", "density": 0.1, "collective": "sparse-allreduce"}),
+                          ("sparse-allreduce", {"compressor": "topk", "density": 0.1,
+                                                "collective": "sparse-allreduce"}),
                           ("shared-support", {"compressor": "randomk", "density": 0.1, "collective": "allreduce"}),
                           ("global", {"compressor": "topk", "density": 0.1, "scope": "global",
                                       "collective": "allgather"}),
