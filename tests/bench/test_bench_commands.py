@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -114,3 +115,12 @@ def test_bench_hostile_small(tmp_path, capsys) -> None:
     assert total[0] == "all (no opt-in)" and int(total[1]) == 60
     assert int(total[3]) + int(total[4]) == 60  # refused + decoded: nothing else
     assert "max traced MiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["codecs", "hook", "lowrank", "sparsify", "hostile"])
+def test_an_unwritable_json_path_is_refused_before_measuring(command: str, tmp_path, capsys) -> None:
+    started = time.perf_counter()
+    assert main(["bench", command, "--json", str(tmp_path / "missing" / "out.json")]) == 2
+    assert time.perf_counter() - started < 5  # no measuring ran first
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "--json=" in message[0] and "cannot be written" in message[0], message

@@ -36,7 +36,7 @@ from .. import codecs
 from ..codecs.base import index_codec_classes, value_codec_classes
 from ..tables import format_table
 from . import codec_workloads
-from .table import progress
+from .table import json_path_error, progress
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")
@@ -229,6 +229,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[float], list[str], l
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradwire bench codecs``: measure and print the tables; returns 0, or 2 on a bad option."""
+    problem = json_path_error(args.json)
+    if problem is not None:
+        print(f"gradwire bench codecs: {problem}", file=sys.stderr)
+        return 2
     try:
         densities, sources, index_names, value_names = check_arguments(args)
     except ValueError as error:  # a bad option is the user's to fix: one line, not a traceback

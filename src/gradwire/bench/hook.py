@@ -41,6 +41,7 @@ from ..core.group import BufferTarget, Entry, Group
 from ..core.payload import Part, decode_bucket, encode_bucket
 from ..core.pipeline import Pipeline
 from ..tables import format_table
+from .table import json_path_error
 
 DEFAULT_MODELS = ("resnet18", "mlp", "lstm", "transformer")
 DEFAULT_METHODS = (
@@ -70,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradwire bench hook``: measure and print the table; returns 0, or 2 on a bad option."""
+    problem = json_path_error(args.json)
+    if problem is not None:
+        print(f"gradwire bench hook: {problem}", file=sys.stderr)
+        return 2
     try:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         methods = list(args.methods or DEFAULT_METHODS)

@@ -40,7 +40,7 @@ from ..errors import DecodeError
 from ..sparse import is_support
 from ..tables import format_table
 from .hostile_cases import Case, hand_made, mutated
-from .table import progress
+from .table import json_path_error, progress
 
 _MIB = 1 << 20
 
@@ -233,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
     than DecodeError, decoded inconsistent tensors, or (a payload under 1 KB, no opt-in) went over
     the CPU-time or memory target.
     """
+    problem = json_path_error(args.json)
+    if problem is not None:
+        print(f"gradwire bench hostile: {problem}", file=sys.stderr)
+        return 2
     rss = _Rss()
     if not rss.available:
         print("note: /proc/self/clear_refs is not writable; the rss column is 0", file=sys.stderr)

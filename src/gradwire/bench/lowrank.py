@@ -25,6 +25,7 @@ from torch import nn
 from ..lowrank.factorize import factorize
 from ..lowrank.report import format_table
 from ..harness.models import MODELS, build_model
+from .table import json_path_error
 
 BYTES_PER_PARAMETER = 4  # float32 gradients
 
@@ -97,6 +98,10 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradwire bench lowrank``: measure and print the table; returns 0, or 2 on a bad option."""
+    problem = json_path_error(args.json)
+    if problem is not None:
+        print(f"gradwire bench lowrank: {problem}", file=sys.stderr)
+        return 2
     from tqdm import tqdm
 
     for option in ("batch_size", "repeats", "threads", "workers"):

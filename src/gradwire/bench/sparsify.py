@@ -24,6 +24,7 @@ import torch
 
 from .. import sparsify
 from ..tables import format_table
+from .table import json_path_error
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 BASELINE = "torch.topk"
@@ -125,6 +126,10 @@ def measure(numel: int, densities: list[float], names: list[str], repeats: int, 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradwire bench sparsify``: measure and print the table; returns 0, or 2 on a bad option."""
+    problem = json_path_error(args.json)
+    if problem is not None:
+        print(f"gradwire bench sparsify: {problem}", file=sys.stderr)
+        return 2
     try:
         densities = _parse_densities(args.densities)
         names = _parse_names(args.sparsifiers)

@@ -1,10 +1,10 @@
-"""Progress bars shared by the benchmarks (tables: :mod:`gradwire.tables`)."""
+"""Progress bars and the output check shared by the benchmarks (tables: :mod:`gradwire.tables`)."""
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 @contextmanager
@@ -18,3 +18,19 @@ def progress(total: int, description: str) -> Iterator[Any]:
         yield bar
     finally:
         bar.close()
+
+
+def json_path_error(path: Optional[str]) -> Optional[str]:
+    """Why ``--json PATH`` cannot be written, in one line, or None (also for no ``--json``).
+
+    Checked before any measuring, so that a long run does not end on an unwritable path. It
+    creates an empty file at ``path`` when there was none (the run then overwrites it).
+    """
+    if not path:
+        return None
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        return f"--json={path!r} cannot be written ({error.strerror or error})"
+    return None
