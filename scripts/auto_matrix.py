@@ -1,6 +1,6 @@
 """``collective="auto"`` against every fixed strategy, in one launch per cell (issue 17's matrix).
 
-    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 18]
+    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 22]
 
 For each model in {mlp, resnet18} and each link in {loopback, 1 Gbit/s, 100 Mbit/s} (the emulated
 cluster; root) and p in {2, 4}, ``gradwire bench e2e`` trains, in one launch, dense AllReduce,
@@ -9,9 +9,9 @@ top-k 1% (fp16/Rice) through the payload AllGather, through the sparse AllReduce
 and over dense's (both measured in the same launch), and what auto ended on.
 
 The warm-up steps are untimed and long enough for auto's first trial (it starts 8 rounds after
-the first and takes 8 rounds: so from step 16 on auto runs what it chose): the matrix compares
-steady states. The trial's own cost — half of 8 rounds under the slower candidate, once per 200
-rounds — is reported beside it from the trial's measured times. Prints a table and writes
+the first and takes 4 rounds per candidate, at most 3 candidates: so from step 20 on auto runs what
+it chose): the matrix compares steady states. The trial's own cost — 4 rounds under each losing
+candidate, once per 200 rounds — follows from the trial's measured times, which the matrix keeps. Prints a table and writes
 ``matrix.json``; the raw runs stay in ``--out/<model>-<links>/results.json``.
 """
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="mlp,resnet18")
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
-    parser.add_argument("--warmup-steps", type=int, default=18, help="untimed steps first (default 18)")
+    parser.add_argument("--warmup-steps", type=int, default=22, help="untimed steps first (default 22)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the saved runs")
     args = parser.parse_args(argv)

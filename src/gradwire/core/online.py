@@ -10,9 +10,12 @@ planner runs real rounds with each candidate *policy* and keeps the fastest:
 * when the model already chose dense everywhere, its best non-dense strategy instead, forced on
   every layout (the strongest competitor).
 
-1. A trial is ``1 + trial_rounds`` rounds per candidate, interleaved (A B, then A B A B A B): the
-   first round of each is a warm-in and not counted (a first length round, a first threshold
-   search), the interleaving spreads a burst of load over all candidates alike.
+1. A trial is ``1 + trial_rounds`` rounds per candidate, in blocks (A A A A B B B B): the first
+   round of each block is a warm-in and not counted — it pays for the switch (a dense round
+   flushes every residual; a sparse one starts from empty residuals, a first length round, a
+   first threshold search) — so the counted rounds are each policy's steady state. (Interleaving
+   the rounds, tried first, made every dense round a flush and every sparse round a restart: it
+   measured neither as it runs.)
 2. A round's time is this rank's wall time from the previous round's agreement to this one's: a
    whole training step (forward, backward with the exchanges, optimizer), measured where every
    front-end ends a round. It travels in the round's agreement, so every rank holds every rank's
@@ -76,8 +79,10 @@ class OnlineChoice:
         self.candidates = list(dict.fromkeys(candidates))
         self._samples = {name: [] for name in self.candidates}
         self._trial_start = round_index
-        order = list(self.candidates)
-        self._schedule = {round_index + i: name for i, name in enumerate(order * (1 + self.trial_rounds))}
+        # in blocks: a policy's first round pays for the switch (dense flushes every residual, a
+        # sparse path starts from empty ones and learns frame sizes); its next rounds are its steady state
+        order = [name for name in self.candidates for _ in range(1 + self.trial_rounds)]
+        self._schedule = {round_index + i: name for i, name in enumerate(order)}
 
     @property
     def in_trial(self) -> bool:
@@ -100,7 +105,7 @@ class OnlineChoice:
             return
         assert self._trial_start is not None
         name = self._schedule[round_index]
-        if seconds_by_rank and round_index - self._trial_start >= len(self.candidates):  # past the warm-ins
+        if seconds_by_rank and self._schedule.get(round_index - 1) == name:  # not its block's warm-in
             self._samples[name].append(max(seconds_by_rank))
         if round_index == max(self._schedule):
             self._decide(round_index)

@@ -109,10 +109,22 @@ class Pipeline:
         if plan.selection == SELECT:
             assert self.selection is not None
             self.selection.run(group, step)
-        elif plan.selection == COMPENSATE:
+        elif plan.selection == COMPENSATE and (plan.strategy != "dense" or self._owes(group)):
             assert self.selection is not None
             self.selection.compensate(group, detect_unused=plan.detect_unused)
         return strategies[plan.strategy].start(group)
+
+    def _owes(self, group: Group) -> bool:
+        """Whether a dense send of ``group`` must compensate: some entry holds a residual (or DGC's
+        velocity). When none does — after a dense round cleared them, as in ``auto``'s dense
+        policy — the raw gradients are exactly what a compensated send would be, without its
+        copies (compensate, gather into a fresh flat buffer)."""
+        feedback = self.feedback
+        if feedback is None:
+            return False
+        if isinstance(feedback, MomentumCorrection):
+            return True
+        return any(entry.key in feedback.residuals for entry in group.entries)
 
     @staticmethod
     def poll(in_flight: Sequence[Exchange]) -> None:

@@ -204,18 +204,19 @@ class Planner:
         return online.policy(step)
 
     def _candidates(self, current: str) -> list[str]:
-        """The current policy, dense, and — when the model chose dense everywhere — its best
-        non-dense strategy, forced on every layout."""
+        """The current policy, dense, the model's choices, and the model's best non-dense strategy
+        that it did not choose (its runner-up, forced on every layout): the strongest competitor
+        whether the model chose dense everywhere or a sparse path."""
         chosen = set(self.choices.values())
         names = [current, DENSE, MODEL]
-        if chosen <= {"dense"} and self.predictions:
-            totals: dict[str, float] = {}
-            for seconds in self.predictions.values():
-                for name, value in seconds.items():
-                    if name != "dense":
-                        totals[name] = totals.get(name, 0.0) + value
-            if totals:
-                names.append(min(totals, key=totals.get))
+        totals: dict[str, float] = {}
+        for seconds in self.predictions.values():
+            for name, value in seconds.items():
+                if name != "dense" and name not in chosen and name in self._forceable():
+                    totals[name] = totals.get(name, 0.0) + value
+        if totals:
+            names.append(min(totals, key=totals.get))
+        if chosen <= {"dense"}:
             names = [name for name in names if name != MODEL]  # the model is dense here
         return list(dict.fromkeys(name for name in names if name in (DENSE, MODEL) or name in self._forceable()))
 
