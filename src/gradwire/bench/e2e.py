@@ -86,7 +86,10 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
                          batch_size=args.batch_size, optimizer=getattr(args, "optimizer", "sgd"),
                          lr=getattr(args, "lr", None), evaluate=model is not None, compute_only=compute_only,
                          barrier_each_step=barrier, seed=seed,
-                         out=out, progress=False, synthetic_size=max(256, args.batch_size * workers * 16))
+                         out=out, progress=False,
+                         # enough synthetic examples for every requested step on every worker (16 per
+                         # worker and step cut a 30-step run to 16, its medians then over the warm-up)
+                         synthetic_size=max(256, args.batch_size * workers * max(16, args.steps + args.warmup_steps)))
     config.validate()
     cluster = None if bandwidth is None else (bandwidth, args.latency)
     return launch(config, workers, timeout=args.timeout, cluster=cluster)

@@ -384,6 +384,13 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         raise ValueError(f"batch_size={config.batch_size} is larger than each worker's share of the training set "
                          f"({len(sampler)} examples): no step would run")
     total_steps = min(config.epochs * steps_per_epoch, config.max_steps or config.epochs * steps_per_epoch)
+    if rank == 0 and config.steps_per_epoch and steps_per_epoch < config.steps_per_epoch:
+        print(f"gradwire: {spec_text}: {config.steps_per_epoch} steps per epoch asked for, but each worker's share "
+              f"of the training set holds {steps_per_epoch} batches of {config.batch_size}", file=sys.stderr,
+              flush=True)
+    if rank == 0 and config.warmup_steps >= total_steps:
+        print(f"gradwire: {spec_text}: only {total_steps} steps run, not more than the {config.warmup_steps} "
+              "warm-up steps: the medians are over every step, warm-up included", file=sys.stderr, flush=True)
     folder = os.path.join(config.checkpoint_dir, file_slug(spec_text)) if config.checkpoint_dir else None
     start_step = resume.latest_step(folder) if folder else 0
     if start_step:
