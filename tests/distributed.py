@@ -139,3 +139,23 @@ def run_workers_some_die(fn: Callable, world_size: int, *args: Any, timeout: flo
     finally:
         _reap(processes)
     return results, {rank: p.exitcode for rank, p in enumerate(processes)}
+
+
+def tamper_payload(mode: str, encoded: Any, tensors: Any, encode: Callable, *args: Any, **kwargs: Any) -> Any:
+    """What a faulty rank sends instead of ``encoded`` (the codecs' ``encode_tensors`` result for
+    ``tensors``), for the fault tests of every front-end.
+
+    ``mode="checksum"``: one byte flipped (the receivers' checksum fails); ``"nan"``: a valid
+    payload whose first value is NaN; anything else: a valid payload whose first value differs
+    from what the sender reconstructs for itself (what a flip with a recomputed checksum amounts
+    to). ``encode`` is the honest ``encode_tensors``, called again with ``args``/``kwargs``.
+    """
+    if mode == "checksum":
+        payload = bytearray(encoded.payload)
+        payload[len(payload) // 2] ^= 0x40
+        return type(encoded)(bytes(payload), encoded.tensors)
+    values, indices, numel = tensors[0]
+    changed = values.clone()
+    changed[0] = float("nan") if mode == "nan" else changed[0] * 3 + 1
+    forged = encode([(changed, indices, numel), *tensors[1:]], *args, **kwargs)
+    return type(encoded)(forged.payload, encoded.tensors)

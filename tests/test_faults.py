@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradwire
 
-from .distributed import run_workers, run_workers_some_die
+from .distributed import run_workers, run_workers_some_die, tamper_payload
 
 pytestmark = pytest.mark.distributed
 
@@ -118,16 +118,7 @@ class _Tamper:
                 return encoded
             if tamper.mode == "encoder":  # a codec bug on one rank: it must not leave its peers waiting
                 raise RuntimeError("encoder failed (test)")
-            if tamper.mode == "checksum":  # a flipped byte: the receivers' checksum fails
-                payload = bytearray(encoded.payload)
-                payload[len(payload) // 2] ^= 0x40
-                return type(encoded)(bytes(payload), encoded.tensors)
-            # a valid payload of other values (what a flip with a recomputed checksum amounts to)
-            values, indices, numel = tensors[0]
-            changed = values.clone()
-            changed[0] = float("nan") if tamper.mode == "nan" else changed[0] * 3 + 1
-            forged = honest([(changed, indices, numel), *tensors[1:]], *args, **kwargs)
-            return type(encoded)(forged.payload, encoded.tensors)
+            return tamper_payload(tamper.mode, encoded, tensors, honest, *args, **kwargs)
 
         codec_layer.encode_tensors = encode
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .distributed import run_workers, run_workers_some_die
+from .distributed import run_workers, run_workers_some_die, tamper_payload
 
 pytestmark = pytest.mark.distributed
 
@@ -278,15 +278,7 @@ class _Tamper:
             encoded = honest(tensors, *args, **kwargs)
             if rank != 1 or tamper.state.iteration != 1:
                 return encoded
-            if tamper.mode == "checksum":
-                payload = bytearray(encoded.payload)
-                payload[len(payload) // 2] ^= 0x40
-                return type(encoded)(bytes(payload), encoded.tensors)
-            values, indices, numel = tensors[0]
-            changed = values.clone()
-            changed[0] = float("nan") if tamper.mode == "nan" else changed[0] * 3 + 1
-            forged = honest([(changed, indices, numel), *tensors[1:]], *args, **kwargs)
-            return type(encoded)(forged.payload, encoded.tensors)
+            return tamper_payload(tamper.mode, encoded, tensors, honest, *args, **kwargs)
 
         codec_layer.encode_tensors = encode
 

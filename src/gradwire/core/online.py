@@ -7,8 +7,9 @@ planner runs real rounds with each candidate *policy* and keeps the fastest:
 
 * ``"model"`` — the cost model's per-layout choices;
 * ``"dense"`` — every group through the dense AllReduce (what compression must beat);
-* when the model already chose dense everywhere, its best non-dense strategy instead, forced on
-  every layout (the strongest competitor).
+* the model's runner-up: its best predicted non-dense strategy that it chose for no layout,
+  forced on every layout (the strongest competitor; when the model chose dense everywhere it
+  replaces ``"model"``, which is then ``"dense"``).
 
 1. A trial is ``1 + trial_rounds`` rounds per candidate, in blocks (A A A A B B B B): the first
    round of each block is a warm-in and not counted — it pays for the switch (a dense round
