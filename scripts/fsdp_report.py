@@ -7,7 +7,9 @@ Reads:
 * ``sim-NAME-sSEED.json``: ``gradwire simulate --fsdp SPEC --json`` records (held-out loss);
   the plain FSDP2 reference is ``--plain`` (default: the DDP calibration record of the same setting,
   docs/lm/calibration-4x1500.json, which ``--fsdp plain`` reproduces bit for bit, see
-  ``plain-check-250steps-s0.json``) for seed 0 and ``sim-plain-sSEED.json`` where present;
+  ``plain-check-250steps-s0.json``) for seed 0, ``ddp-s1.json`` (gradwire simulate --method allreduce
+  --seed 1 on the diloco branch, docs/lm/local-steps/ddp-s1.json there) for seed 1, and
+  ``sim-plain-sSEED.json`` where present;
 * ``train-bytes-*.json``: ``gradwire train --fsdp --json`` summaries (bytes per step and rank);
 * ``memory-NAME-rROUND.json``: ``scripts/fsdp_memory.py`` lines (peak memory per rank);
 * ``hsdp-2x2-NAME.json``: ``scripts/fsdp_hsdp.py`` lines (bytes on a 2 x 2 mesh).
@@ -39,19 +41,39 @@ def quality(folder: str, plain_path: str) -> str:
     plain = dict(runs.pop("plain", {}))
     if 0 not in plain and os.path.exists(plain_path):
         plain[0] = _load(plain_path)
+    ddp1 = os.path.join(folder, "ddp-s1.json")
+    if 1 not in plain and os.path.exists(ddp1):
+        plain[1] = _load(ddp1)
     lines = ["| run | `--fsdp` spec | seed | held-out loss, step 500 | 1000 | 1500 (final) | vs plain FSDP2 (same seed) |",
              "|---|---|---|---|---|---|---|"]
     rows = [("plain", seed, record) for seed, record in sorted(plain.items())]
     rows += [(name, seed, record) for name in sorted(runs) for seed, record in sorted(runs[name].items())]
     for name, seed, record in rows:
         at = {e["step"]: e["held_out_loss"] for e in record["evaluations"]}
-        spec = record.get("fsdp", {}).get("spec", "plain (DDP calibration record)" if name == "plain" else "?")
+        spec = record.get("fsdp", {}).get("spec", f"plain (DDP record, {record.get('method', 'allreduce')})" if name == "plain" else "?")
         reference = plain.get(seed)
         versus = "–" if name == "plain" or reference is None else \
             f"{100 * (record['held_out_loss'] / reference['held_out_loss'] - 1):+.2f}%"
         lines.append(f"| {name} | `{spec}` | {seed} | {at.get(500, float('nan')):.4f} | {at.get(1000, float('nan')):.4f} | "
                      f"{record['held_out_loss']:.4f} | {versus} |")
+    several = {name: seeds for name, seeds in runs.items() if len(set(seeds) & set(plain)) > 1}
+    if several:
+        lines += ["\n| run | seeds | final held-out loss, mean ± half range | plain FSDP2's, same seeds | "
+                  "vs plain, mean ± half range over seeds |", "|---|---|---|---|---|"]
+        for name, seeds in sorted(several.items()):
+            common = sorted(set(seeds) & set(plain))
+            mine = [seeds[s]["held_out_loss"] for s in common]
+            theirs = [plain[s]["held_out_loss"] for s in common]
+            rel = [100 * (a / b - 1) for a, b in zip(mine, theirs)]
+            lines.append(f"| {name} | {','.join(map(str, common))} | {_ms(mine, '.4f')} | {_ms(theirs, '.4f')} | "
+                         f"{_ms(rel, '+.2f')}% |")
     return "\n".join(lines)
+
+
+def _ms(values: list[float], fmt: str) -> str:
+    """Mean ± half the range."""
+    mean = sum(values) / len(values)
+    return f"{mean:{fmt}} ± {(max(values) - min(values)) / 2:.4f}"
 
 
 def bytes_table(folder: str) -> str:
