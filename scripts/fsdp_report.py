@@ -66,14 +66,14 @@ def quality(folder: str, plain_path: str) -> str:
             theirs = [plain[s]["held_out_loss"] for s in common]
             rel = [100 * (a / b - 1) for a, b in zip(mine, theirs)]
             lines.append(f"| {name} | {','.join(map(str, common))} | {_ms(mine, '.4f')} | {_ms(theirs, '.4f')} | "
-                         f"{_ms(rel, '+.2f')}% |")
+                         f"{_ms(rel, '+.2f', '.2f')} % |")
     return "\n".join(lines)
 
 
-def _ms(values: list[float], fmt: str) -> str:
+def _ms(values: list[float], fmt: str, spread: str = ".4f") -> str:
     """Mean ± half the range."""
     mean = sum(values) / len(values)
-    return f"{mean:{fmt}} ± {(max(values) - min(values)) / 2:.4f}"
+    return f"{mean:{fmt}} ± {(max(values) - min(values)) / 2:{spread}}"
 
 
 def bytes_table(folder: str) -> str:
