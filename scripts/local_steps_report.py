@@ -102,7 +102,7 @@ def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
         local_ratio = local / first["bytes_ddp_per_step"] if local is not None else math.nan
         steps = [crossing(r, ddp[s]["held_out_loss"]) for s, r in seeds.items() if s in ddp]
         lines.append(f"| {name} | `{first.get('method', 'allreduce')}` | {','.join(map(str, sorted(seeds)))} | "
-                     f"{loss:.4f} ± {spread:.4f} | {_paired(seeds, ddp)} | "
+                     f"{loss:.4f}{f' ± {spread:.4f}' if len(seeds) > 1 else ' (one seed)'} | {_paired(seeds, ddp)} | "
                      f"{_paired(seeds, reference) if reference is not seeds else '–'} | {_ratio(ratio)} | "
                      f"{_ratio(local_ratio)} | {_kb(first.get('bytes_peak_sync'))} | {_steps(steps)} |")
     return "\n".join(lines)
