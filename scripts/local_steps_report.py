@@ -18,10 +18,18 @@ import os
 import re
 from typing import Any, Optional
 
+_TOPK = "values=qsgd-ans,indices=rice,collective=allgather"
 #: simulated run -> (method timed on the cluster for its local steps, for its warm-up steps)
 TIMED = {
     "ddp": ("allreduce", None),
     "topk1-step": ("topk:density=0.01,values=qsgd-ans,indices=rice", None),
+    "dense-h16": ("diloco:sync_every=16", "allreduce"),
+    "int8-h16": ("diloco:sync_every=16+quantize:bits=8", "allreduce"),
+    "int4-h16": ("diloco:sync_every=16+quantize:bits=4", "allreduce"),
+    "streaming-f4": ("diloco:sync_every=16,fragments=4,overlap=1", "allreduce"),
+    "topk3-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.03,{_TOPK}", "allreduce"),
+    "topk1-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "allreduce"),
+    "topk1-model-wq8": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "quantize:bits=8"),
 }
 
 
@@ -76,27 +84,42 @@ def warmup_of(record: dict[str, Any]) -> int:
 
 
 def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
+    """One row per run. "vs DDP" and "vs dense at same H" compare means over the seeds both runs have
+    (a run of seed 0 only is compared with the reference's seed 0, not with its mean over seeds)."""
     ddp = runs.get("ddp", {})
-    ddp_mean, _ = mean_spread([r["held_out_loss"] for r in ddp.values()])
     lines = ["| run | method | seeds | held-out loss (mean ± half range) | vs DDP | vs dense at same H | "
              "bytes/step vs DDP (all steps) | (local steps) | peak sync, KB | steps to DDP's final loss |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in sorted(runs, key=lambda n: (n != "ddp", n)):
         seeds = runs[name]
-        first = next(iter(seeds.values()))
+        # the DDP calibration record (docs/lm/calibration-4x1500.json) has no method or byte counts
+        first = next((r for r in seeds.values() if "bytes_per_step" in r), next(iter(seeds.values())))
         loss, spread = mean_spread([r["held_out_loss"] for r in seeds.values()])
         period = re.search(r"sync_every=(\d+)", first.get("method", ""))
         reference = runs.get(f"dense-h{period.group(1)}") if period else None
-        dense_mean = mean_spread([r["held_out_loss"] for r in reference.values()])[0] if reference else math.nan
-        ratio = first["bytes_per_step"] / first["bytes_ddp_per_step"]
+        ratio = first["bytes_per_step"] / first["bytes_ddp_per_step"] if "bytes_per_step" in first else math.nan
         local = first.get("bytes_per_local_step")
         local_ratio = local / first["bytes_ddp_per_step"] if local is not None else math.nan
         steps = [crossing(r, ddp[s]["held_out_loss"]) for s, r in seeds.items() if s in ddp]
-        lines.append(f"| {name} | `{first.get('method', '?')}` | {','.join(map(str, sorted(seeds)))} | "
-                     f"{loss:.4f} ± {spread:.4f} | {100 * (loss / ddp_mean - 1):+.1f}% | "
-                     f"{_pct(loss, dense_mean)} | {_ratio(ratio)} | {_ratio(local_ratio)} | "
-                     f"{first.get('bytes_peak_sync', math.nan) / 1e3:.1f} | {_steps(steps)} |")
+        lines.append(f"| {name} | `{first.get('method', 'allreduce')}` | {','.join(map(str, sorted(seeds)))} | "
+                     f"{loss:.4f}{f' ± {spread:.4f}' if len(seeds) > 1 else ' (one seed)'} | {_paired(seeds, ddp)} | "
+                     f"{_paired(seeds, reference) if reference is not seeds else '–'} | {_ratio(ratio)} | "
+                     f"{_ratio(local_ratio)} | {_kb(first.get('bytes_peak_sync'))} | {_steps(steps)} |")
     return "\n".join(lines)
+
+
+def _paired(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int, dict[str, Any]]]) -> str:
+    """The mean held-out loss over the seeds both have, relative to the reference's over the same seeds."""
+    common = sorted(set(seeds) & set(reference or {}))
+    if not common:
+        return "–"
+    mine = sum(seeds[s]["held_out_loss"] for s in common) / len(common)
+    theirs = sum(reference[s]["held_out_loss"] for s in common) / len(common)
+    return _pct(mine, theirs)
+
+
+def _kb(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value / 1e3:.1f}"
 
 
 def _pct(value: float, reference: float) -> str:
@@ -129,9 +152,11 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
         floor = next(iter(at.values()))["floor_seconds"]
         ddp_time = 1500 * at["allreduce"]["seconds_per_step"] if "allreduce" in at else math.nan
         lines += [f"\n**{bandwidth}** (compute-only floor {floor:.3f} s/step)\n",
-                  "| run | local-step method timed | s/step | x floor | warm-up s/step | steps to DDP's final | "
-                  "time to DDP's final, s | speed-up vs DDP | loss at equal wall time vs per-step top-k 1% |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| run | local-step method timed | s/step | x floor | outer-step hooks, s/step | x in-run floor | "
+                  "warm-up s/step | steps to DDP's final | "
+                  "time to DDP's final, s | speed-up vs DDP | held-out loss vs per-step top-k 1%'s, at the wall time of the "
+                  "shorter run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         topk = runs.get("topk1-step", {})
         for name, (local, warm) in mapping.items():
             if name not in runs or local not in at:
@@ -145,15 +170,44 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
             times = [_time(s, warmup_of(seeds[seed]), t_warm, t_local) for s, seed in zip(steps, seeds)]
             mean_time = mean_spread([t for t in times if not math.isnan(t)])[0]
             compare = "–"
-            if topk and name not in ("topk1-step", "ddp"):
-                wall = [_time(1500.0, warmup_of(r), t_warm, t_local) for r in seeds.values()]
-                t_topk = at.get(TIMED["topk1-step"][0], {}).get("seconds_per_step", math.nan)
-                mine = mean_spread([r["held_out_loss"] for r in seeds.values()])[0]
-                theirs = mean_spread([loss_at(r, w / t_topk) for r, w in zip(topk.values(), wall)])[0]
-                compare = f"{mine:.4f} vs {theirs:.4f}"
-            lines.append(f"| {name} | `{local}` | {t_local:.3f} | {t_local / floor:.2f} | "
+            t_topk = at.get(TIMED["topk1-step"][0], {}).get("seconds_per_step", math.nan)
+            if topk and name not in ("topk1-step", "ddp") and not math.isnan(t_topk):
+                # both curves at the same wall time: the shorter of the two runs' whole durations
+                pairs = []
+                for seed, record in seeds.items():
+                    if seed not in topk:
+                        continue
+                    warm = warmup_of(record)
+                    wall = min(_time(1500.0, warm, t_warm, t_local), 1500 * t_topk)
+                    pairs.append((loss_at(record, _steps_in(wall, warm, t_warm, t_local)),
+                                  loss_at(topk[seed], wall / t_topk)))
+                if pairs:
+                    mine = sum(p[0] for p in pairs) / len(pairs)
+                    theirs = sum(p[1] for p in pairs) / len(pairs)
+                    compare = f"{mine:.4f} vs {theirs:.4f}"
+            hooks, in_run = _hook_seconds(at[local])
+            lines.append(f"| {name} | `{local}` | {t_local:.3f} | {t_local / floor:.2f} | {hooks} | {in_run} | "
                          f"{t_warm:.3f} | {_steps(steps)} | {mean_time:.0f} | {ddp_time / mean_time:.1f}x | {compare} |")
     return "\n".join(lines)
+
+
+def _hook_seconds(row: dict[str, Any]) -> tuple[str, str]:
+    """A local-steps method's outer-step seconds per inner step (DiLoCo's own ``seconds_sync``, in its
+    hooks) and the step time over the same step without them: the overhead against the compute of the
+    same launch, which the machine's load moves as much between launches as it moves the floor."""
+    local = row.get("local_steps")
+    if not local or not local.get("inner_steps"):
+        return "–", "–"
+    hooks = local["seconds_sync"] / local["inner_steps"]
+    step = row["seconds_per_step"]
+    return f"{hooks:.4f}", f"{step / (step - hooks):.3f}"
+
+
+def _steps_in(seconds: float, warmup: int, t_warm: float, t_local: float) -> float:
+    """How many steps a run with ``warmup`` steps of ``t_warm`` seconds, then ``t_local``, does in ``seconds``."""
+    if seconds <= warmup * t_warm:
+        return seconds / t_warm
+    return warmup + (seconds - warmup * t_warm) / t_local
 
 
 def _time(steps: float, warmup: int, t_warm: float, t_local: float) -> float:
