@@ -11,7 +11,8 @@ and over dense's (both measured in the same launch), and what auto ended on.
 The warm-up steps are untimed and long enough for auto's first trial (it starts 8 rounds after
 the first and takes 4 rounds per candidate, at most 3 candidates: so from step 20 on auto runs what
 it chose): the matrix compares steady states. The trial's own cost — 4 rounds under each losing
-candidate, once per 200 rounds — follows from the trial's measured times, which the matrix keeps. Prints a table and writes
+candidate, once per 200 rounds — follows from the trial's measured times, which the matrix keeps.
+Prints a table and writes
 ``matrix.json``; the raw runs stay in ``--out/<model>-<links>/results.json``.
 """
 

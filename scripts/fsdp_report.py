@@ -44,17 +44,20 @@ def quality(folder: str, plain_path: str) -> str:
     ddp1 = os.path.join(folder, "ddp-s1.json")
     if 1 not in plain and os.path.exists(ddp1):
         plain[1] = _load(ddp1)
-    lines = ["| run | `--fsdp` spec | seed | held-out loss, step 500 | 1000 | 1500 (final) | vs plain FSDP2 (same seed) |",
+    lines = ["| run | `--fsdp` spec | seed | held-out loss, step 500 | 1000 | 1500 (final) "
+             "| vs plain FSDP2 (same seed) |",
              "|---|---|---|---|---|---|---|"]
     rows = [("plain", seed, record) for seed, record in sorted(plain.items())]
     rows += [(name, seed, record) for name in sorted(runs) for seed, record in sorted(runs[name].items())]
     for name, seed, record in rows:
         at = {e["step"]: e["held_out_loss"] for e in record["evaluations"]}
-        spec = record.get("fsdp", {}).get("spec", f"plain (DDP record, {record.get('method', 'allreduce')})" if name == "plain" else "?")
+        plain_spec = f"plain (DDP record, {record.get('method', 'allreduce')})" if name == "plain" else "?"
+        spec = record.get("fsdp", {}).get("spec", plain_spec)
         reference = plain.get(seed)
         versus = "–" if name == "plain" or reference is None else \
             f"{100 * (record['held_out_loss'] / reference['held_out_loss'] - 1):+.2f}%"
-        lines.append(f"| {name} | `{spec}` | {seed} | {at.get(500, float('nan')):.4f} | {at.get(1000, float('nan')):.4f} | "
+        lines.append(f"| {name} | `{spec}` | {seed} | {at.get(500, float('nan')):.4f} | "
+                     f"{at.get(1000, float('nan')):.4f} | "
                      f"{record['held_out_loss']:.4f} | {versus} |")
     several = {name: seeds for name, seeds in runs.items() if len(set(seeds) & set(plain)) > 1}
     if several:
@@ -86,7 +89,8 @@ def bytes_table(folder: str) -> str:
                   "| method | bytes sent per rank and step | x plain FSDP2 |", "|---|---|---|"]
         for s in summaries:
             name = "plain FSDP2 (`allreduce`)" if s["method"] == "allreduce" else f"`{s['method']}`"
-            lines.append(f"| {name} | {s['bytes_per_step']:,.0f} | {s['bytes_per_step'] / plain['bytes_per_step']:.4f} |")
+            ratio = s["bytes_per_step"] / plain["bytes_per_step"]
+            lines.append(f"| {name} | {s['bytes_per_step']:,.0f} | {ratio:.4f} |")
     hsdp = sorted(glob.glob(os.path.join(folder, "hsdp-2x2-*.json")))
     if hsdp:
         lines += ["\nHSDP, 2 replicas x 2 shards (`scripts/fsdp_hsdp.py`, last of 3 steps, max over ranks)\n",

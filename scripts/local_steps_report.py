@@ -154,7 +154,8 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
         lines += [f"\n**{bandwidth}** (compute-only floor {floor:.3f} s/step)\n",
                   "| run | local-step method timed | s/step | x floor | outer-step hooks, s/step | x in-run floor | "
                   "warm-up s/step | steps to DDP's final | "
-                  "time to DDP's final, s | speed-up vs DDP | held-out loss vs per-step top-k 1%'s, at the wall time of the "
+                  "time to DDP's final, s | speed-up vs DDP | "
+                  "held-out loss vs per-step top-k 1%'s, at the wall time of the "
                   "shorter run |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         topk = runs.get("topk1-step", {})
@@ -187,7 +188,8 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
                     compare = f"{mine:.4f} vs {theirs:.4f}"
             hooks, in_run = _hook_seconds(at[local])
             lines.append(f"| {name} | `{local}` | {t_local:.3f} | {t_local / floor:.2f} | {hooks} | {in_run} | "
-                         f"{t_warm:.3f} | {_steps(steps)} | {mean_time:.0f} | {ddp_time / mean_time:.1f}x | {compare} |")
+                         f"{t_warm:.3f} | {_steps(steps)} | {mean_time:.0f} | {ddp_time / mean_time:.1f}x | "
+                         f"{compare} |")
     return "\n".join(lines)
 
 
