@@ -36,7 +36,8 @@ from .. import codecs
 from ..codecs.base import index_codec_classes, value_codec_classes
 from ..tables import format_table
 from . import codec_workloads
-from .table import json_path_error, progress
+from .table import progress
+from ..cli.main import json_path_error
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 SOURCES = ("synthetic", "mnist", "lstm", "embedding", "curvefit", "lossless")

@@ -41,7 +41,7 @@ from ..core.group import BufferTarget, Entry, Group
 from ..core.payload import Part, decode_bucket, encode_bucket
 from ..core.pipeline import Pipeline
 from ..tables import format_table
-from .table import json_path_error
+from ..cli.main import json_path_error
 
 DEFAULT_MODELS = ("resnet18", "mlp", "lstm", "transformer")
 DEFAULT_METHODS = (

@@ -40,7 +40,8 @@ from ..errors import DecodeError
 from ..sparse import is_support
 from ..tables import format_table
 from .hostile_cases import Case, hand_made, mutated
-from .table import json_path_error, progress
+from .table import progress
+from ..cli.main import json_path_error
 
 _MIB = 1 << 20
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..lowrank.factorize import factorize
 from ..lowrank.report import format_table
 from ..harness.models import MODELS, build_model
-from .table import json_path_error
+from ..cli.main import json_path_error
 
 BYTES_PER_PARAMETER = 4  # float32 gradients
 

@@ -24,7 +24,7 @@ import torch
 
 from .. import sparsify
 from ..tables import format_table
-from .table import json_path_error
+from ..cli.main import json_path_error
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1)
 BASELINE = "torch.topk"

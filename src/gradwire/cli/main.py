@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 #: (group, command) -> (module, one-line help). A group of None is a top-level command.
 COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
@@ -82,5 +83,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(importlib.import_module(args._module).run(args) or 0)
 
 
+def json_path_error(path: Optional[str]) -> Optional[str]:
+    """Why ``--json PATH`` cannot be written, in one line, or None (also for no ``--json``).
+
+    Every command that takes ``--json`` checks it before any work, so that a long run does not
+    end on an unwritable path; a file that was not there before is removed again (a refused run
+    leaves nothing behind).
+    """
+    if not path:
+        return None
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        return f"--json={path!r} cannot be written ({error.strerror or error})"
+    if not existed:
+        os.remove(path)
+    return None
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -18,6 +18,7 @@ import sys
 from typing import Callable
 
 from ..harness.optimizers import OPTIMIZERS
+from .main import json_path_error
 
 
 class UsageError(ValueError):
@@ -80,12 +81,9 @@ def _check(args: argparse.Namespace) -> None:
             _fsdp_options(args.fsdp)
         except ValueError as error:
             raise UsageError(f"--fsdp: {error}") from None
-    if args.json:
-        try:
-            with open(args.json, "a"):
-                pass
-        except OSError as error:
-            raise UsageError(f"--json={args.json!r} cannot be written ({error.strerror or error})") from None
+    problem = json_path_error(args.json)
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def _fsdp_options(text: str) -> dict:
