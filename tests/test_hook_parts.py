@@ -15,6 +15,31 @@ from .distributed import run_workers
 
 
 # ------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("decay", [-0.1, 1.5, True, "0.5", float("nan")])
+def test_feedback_decay_outside_zero_one_is_refused(decay: object) -> None:
+    with pytest.raises(ValueError, match=r"feedback_decay=.* must be a number in \[0, 1\]"):
+        HookConfig(compressor="topk", density=0.05, feedback_decay=decay)
+    with pytest.raises(ValueError, match="feedback_decay=0.5 is not supported with momentum_correction"):
+        HookConfig(compressor="topk", density=0.05, feedback_decay=0.5, momentum_correction=0.9)
+
+
+def test_decayed_error_feedback_keeps_beta_times_what_was_not_sent() -> None:
+    """e <- β (x - sent): with β = 0.5 the residual is half the unsent part, sent entries owe
+    nothing, and β = 0 keeps nothing at all (plain top-k without memory)."""
+    import torch
+
+    from gradwire.core.feedback import ErrorFeedback
+
+    grad = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    for decay, expected in ((0.5, [0.5, 0.0, 1.5, 0.25]), (0.0, [0.0, 0.0, 0.0, 0.0]), (1.0, [1.0, 0.0, 3.0, 0.5])):
+        feedback = ErrorFeedback(decay=decay)
+        compensated = feedback.compensate("w", grad)
+        feedback.update("w", compensated, torch.tensor([1]), torch.tensor([-2.0]))
+        assert torch.equal(feedback.residual("w"), torch.tensor(expected)), decay
+        again = feedback.compensate("w", grad)  # next step: grad + what is still owed
+        assert torch.equal(again, grad + torch.tensor(expected))
+
+
 def test_every_compared_option_reaches_the_description() -> None:
     """Changing any field not marked rank-local changes describe(), so the cross-rank check sees it."""
     base = HookConfig(compressor="topk", density=0.05)
@@ -22,7 +47,7 @@ def test_every_compared_option_reaches_the_description() -> None:
                "codec_options": {"degree": 2}, "error_feedback": False, "momentum_correction": 0.9,
                "scope": "global", "collective": "allgather", "hierarchy": 2, "seed": 7, "warmup_steps": 3,
                "nonfinite": "skip", "verify": "none", "link_gbit": 10.0, "link_alpha": 1e-5,
-               "residual_dtype": "bfloat16"}
+               "residual_dtype": "bfloat16", "feedback_decay": 0.5}
     compared = {f.name for f in dataclasses.fields(HookConfig) if not f.metadata.get("rank_local")}
     assert compared - {"k", "threshold", "quantize", "quantize_block"} == set(changes)
     dense = HookConfig(compressor="none")  # the quantized exchange is dense: compared on its own base
@@ -30,6 +55,7 @@ def test_every_compared_option_reaches_the_description() -> None:
     assert dense.replace(quantize="int8", quantize_block=64).describe() != dense.replace(quantize="int8").describe()
     # options added later are left out at their default: older checkpoints' option hash still matches
     assert "quantize" not in base.describe() and "residual_dtype" not in base.describe()
+    assert "feedback_decay" not in base.describe()
     for name, value in changes.items():
         if name == "codec_options":
             changed = HookConfig(compressor="topk", density=0.05, value_codec="polyfit", codec_options=value)

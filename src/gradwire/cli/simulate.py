@@ -101,7 +101,7 @@ def _fsdp_options(text: str) -> dict:
     if options.get("codec_options"):
         raise ValueError("codec options are not simulated")
     unknown = set(options) - {"compressor", "density", "value_codec", "index_codec", "error_feedback", "quantize",
-                              "quantize_block", "seed", "warmup_steps"}
+                              "quantize_block", "seed", "warmup_steps", "feedback_decay"}
     if unknown:
         raise ValueError(f"options {sorted(unknown)} are not simulated")
     if "quantize_block" in options:

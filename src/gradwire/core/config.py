@@ -74,6 +74,7 @@ class ExchangeConfig:
     quantize: Optional[str] = field(default=None, metadata=_LATER)
     quantize_block: int = field(default=128, metadata=_LATER)
     residual_dtype: str = field(default="float32", metadata=_LATER)
+    feedback_decay: float = field(default=1.0, metadata=_LATER)
     collective_timeout: float = field(default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_LOCAL)
     log_every: int = field(default=0, metadata=_LOCAL)
 
@@ -99,6 +100,13 @@ class ExchangeConfig:
         if self.residual_dtype != "float32" and self.momentum_correction is not None:
             raise ValueError(f"residual_dtype={self.residual_dtype!r} is not supported with momentum_correction "
                              "(its velocities stay float32); use error_feedback")
+        if not (isinstance(self.feedback_decay, (int, float)) and not isinstance(self.feedback_decay, bool)
+                and 0.0 <= self.feedback_decay <= 1.0):
+            raise ValueError(f"feedback_decay={self.feedback_decay!r} must be a number in [0, 1] "
+                             "(1: plain error feedback; β of the rule e <- β (x - sent))")
+        if self.feedback_decay != 1.0 and self.momentum_correction is not None:
+            raise ValueError(f"feedback_decay={self.feedback_decay!r} is not supported with momentum_correction; "
+                             "use error_feedback")
         if not is_integer(self.quantize_block) or self.quantize_block < 1:
             raise ValueError(f"quantize_block={self.quantize_block!r} must be an integer >= 1 (values per scale)")
         if self.quantize is not None and (self.compressor != "none" or self.collective not in ("auto", "dense")):

@@ -34,8 +34,13 @@ class ErrorFeedback:
     ResNet-18's gradients).
     """
 
-    def __init__(self, *, storage_dtype: Optional[torch.dtype] = None, spares: bool = True) -> None:
+    def __init__(self, *, storage_dtype: Optional[torch.dtype] = None, spares: bool = True,
+                 decay: float = 1.0) -> None:
         self.residuals: dict[Hashable, torch.Tensor] = {}
+        #: β of ``e <- β (x - sent)``: 1 is plain error feedback; below 1 what is owed fades, so a
+        #: coordinate's debt cannot grow into a burst (with Adam a burst inflates the second moment
+        #: and shrinks the coordinate's later steps); 0 drops what was not sent
+        self.decay = float(decay)
         self._spares: dict[Hashable, torch.Tensor] = {}
         #: residuals are kept in this dtype (None: the accumulation dtype); bfloat16 halves their
         #: memory (FSDP: 2 n instead of 4 n bytes per rank), at the cost of rounding what is owed
@@ -91,12 +96,14 @@ class ErrorFeedback:
         # one fused scatter (indices are distinct): the same bits as ``compensated[indices] -= received``,
         # without its gather and separate subtraction
         compensated.index_add_(0, indices, received.to(compensated.dtype), alpha=-1)
+        if self.decay != 1.0:  # an extra pass only for a decaying memory
+            compensated.mul_(self.decay)
         self._keep(key, compensated)
 
     def replace(self, key: Hashable, residual: torch.Tensor) -> None:
         """Keep ``residual`` (flat) for ``key``: an exchange that computed the new residual whole
         (the hierarchical one keeps each rank's shard of the node's sum)."""
-        self._keep(key, residual)
+        self._keep(key, residual if self.decay == 1.0 else residual * self.decay)
 
     def residual(self, key: Hashable) -> "torch.Tensor | None":
         """The residual kept for ``key`` (flat), or None; read-only by convention."""

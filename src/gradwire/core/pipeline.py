@@ -66,7 +66,8 @@ class Pipeline:
         if config.momentum_correction is not None:
             self.feedback = MomentumCorrection(config.momentum_correction, spares=spare_buffers)
         elif config.error_feedback:
-            self.feedback = ErrorFeedback(storage_dtype=config.residual_storage, spares=spare_buffers)
+            self.feedback = ErrorFeedback(storage_dtype=config.residual_storage, spares=spare_buffers,
+                                          decay=config.feedback_decay)
         self.selection = (Selection(self.sparsifier, self.feedback, config.scope, self.stats)
                           if self.sparsifier is not None else None)
         self._checked = False

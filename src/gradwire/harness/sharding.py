@@ -132,13 +132,14 @@ class ShardedReduce:
         aligned: quantization blocks restart at every parameter's chunk, as the core's do (False:
             blocks from each destination chunk's start, straddling parameters: the comparison).
         warmup_steps: the exact mean for the first N steps (the core's dense reduce-scatter).
+        feedback_decay: β of ``e <- β (x - sent)`` (1: plain error feedback), as the core's.
     """
 
     def __init__(self, model: nn.Module, workers: int, *, quantize: Optional[str] = None,
                  block_size: Optional[int] = 128, compressor: str = "none", density: Optional[float] = None,
                  value_codec: str = "fp32", index_codec: str = "rice", error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, feedback_decay: float = 1.0) -> None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         position = {n: i for i, n in enumerate(names)}
         shapes = dict(model.named_parameters())
@@ -153,6 +154,7 @@ class ShardedReduce:
         values, indices = codec_layer.resolve_codecs(value_codec, index_codec, {})
         self.codec = RegionCodecAdapter(index_codec=indices, value_codec=values)
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay
         self.aligned = aligned
         self.warmup_steps = warmup_steps
         self.residual_dtype = residual_dtype
@@ -188,7 +190,7 @@ class ShardedReduce:
 
     def _keep(self, w: int, unit: int, residual: Tensor) -> None:
         if self.error_feedback:
-            self.residuals[w][unit] = residual.to(self.residual_dtype)
+            self.residuals[w][unit] = (residual * self.feedback_decay).to(self.residual_dtype)
 
     def _quantized(self, unit: int, flats: list[Tensor], shapes: list[tuple[int, ...]]) -> Tensor:
         total: Optional[Tensor] = None

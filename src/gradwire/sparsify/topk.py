@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import kernels
 from .base import BudgetSparsifier, register_sparsifier
 from .threshold import NUMPY_DTYPES, chunk_buffers, indices_at_or_above, representable_at_least
 
@@ -87,7 +88,7 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     if flat.device.type != "cpu" or numel < SCAN_MIN_NUMEL or k > SCAN_MAX_DENSITY * numel:
         return topk_indices(_magnitudes_nan_last(flat), k)
     found = _scan_from_sample(flat[:: max(1, numel // SAMPLE_SIZE)], numel, k,
-                              lambda threshold: indices_at_or_above(flat, threshold))
+                              lambda threshold, capacity: _scan(flat, threshold, capacity))
     if found is not None:
         return _finish(flat, found, k)
     return topk_indices(_magnitudes_nan_last(flat), k)
@@ -121,11 +122,11 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
         sample = sample + residual[::stride]
     state = {"compensated": False}
 
-    def scan(threshold: float) -> torch.Tensor:
+    def scan(threshold: float, capacity: int) -> torch.Tensor:
         if state["compensated"]:  # a rescan at a lower threshold reads the compensated tensor
-            return indices_at_or_above(out, threshold)
+            return _scan(out, threshold, capacity)
         state["compensated"] = True
-        return _compensate_and_scan(grad, residual, out, threshold)
+        return _compensate_and_scan(grad, residual, out, threshold, capacity)
 
     found = _scan_from_sample(sample, numel, k, scan)
     if not state["compensated"]:
@@ -152,7 +153,9 @@ def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> Optiona
                      else float(torch.kthvalue(sample, order + 1).values))
         if threshold <= 0.0:
             return None  # mostly zeros: a scan would keep nearly everything
-        candidates = scan(threshold)
+        # room for the candidates the sample predicts, twice over (the native scan falls back
+        # to numpy's when more pass)
+        candidates = scan(threshold, int(2 * rank * numel / size) + 1024)
         if candidates.numel() >= k:
             return candidates
         rank *= _WIDEN
@@ -172,14 +175,33 @@ def _compensate_into(grad: torch.Tensor, residual: Optional[torch.Tensor], out: 
         torch.add(flat, residual, out=out)
 
 
+def _scan(flat: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:
+    """:func:`indices_at_or_above`, in one native pass where :mod:`gradwire.kernels` can take it."""
+    values = flat.detach().numpy() if flat.device.type == "cpu" and flat.dtype in NUMPY_DTYPES else None
+    if values is not None and values.ndim == 1 and kernels.usable(values):
+        limit = NUMPY_DTYPES[flat.dtype](representable_at_least(threshold, flat.dtype))
+        found = kernels.scan(values, limit, capacity)
+        if found is not None:
+            return torch.from_numpy(found)
+    return indices_at_or_above(flat, threshold)
+
+
 def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                         threshold: float) -> torch.Tensor:
-    """``out = grad + residual`` chunk by chunk, each chunk scanned for ``|x| >= threshold``
-    while it is in cache; ascending int64 positions."""
+                         threshold: float, capacity: int) -> torch.Tensor:
+    """``out = grad + residual`` and the ascending int64 positions where ``|out| >= threshold``:
+    one native pass (:mod:`gradwire.kernels`), else chunk by chunk, each chunk scanned while it
+    is in cache."""
     numpy_dtype = NUMPY_DTYPES[out.dtype]
     limit = numpy_dtype(representable_at_least(threshold, out.dtype))
     flat = grad.reshape(-1)
     compensated = out.numpy()
+    if grad.dtype == out.dtype and flat.is_contiguous():
+        sources = (flat.detach().numpy(), None if residual is None else residual.detach().numpy())
+        if kernels.usable(compensated, *sources):
+            found = kernels.compensate_and_scan(sources[0], sources[1], compensated, limit, capacity)
+            if found is None:  # more candidates than room: out is written in full, scan it
+                return indices_at_or_above(out, threshold)
+            return torch.from_numpy(found)
     numel = out.numel()
     chunk = min(numel, FUSED_CHUNK_NUMEL)
     magnitudes, mask = chunk_buffers(chunk, np.dtype(numpy_dtype))

@@ -1,0 +1,185 @@
+"""Native single-pass kernels for the CPU hot path, compiled by numba when it is installed.
+
+Top-k with error feedback spends most of its CPU in one loop that torch and numpy can only write
+as several passes: ``x = grad + residual``, ``|x|``, ``|x| >= t``, the positions where that holds.
+Chunked so that each chunk stays in cache, those are still four calls and three temporaries per
+chunk (9.0 ms for ResNet-18's 11.2M gradients here against a 3.6 ms ``torch.add``); as one
+compiled loop they are one read of each input and one write of ``x`` (about 1.4 floors).
+
+numba is an optional dependency (``pip install gradwire[fast]``); without it, or with
+``GRADWIRE_NATIVE=0`` in the environment, :func:`available` is False and callers keep their
+torch/numpy path, which gives the same results bit for bit (``tests/test_kernels.py``).
+Compilation happens once per process and dtype at the first call (well under a second; cached on
+disk beside this module when that is writable).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+#: elements per block of the kernels' vectorized loops (see _kernels)
+_BLOCK = 32
+_compiled: Optional[dict[str, Callable[..., Any]]] = None
+_tried = False
+
+
+def available() -> bool:
+    """Whether the native kernels can run here (numba importable and not disabled)."""
+    return _kernels() is not None
+
+
+def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
+    global _compiled, _tried
+    if _tried:
+        return _compiled
+    _tried = True
+    if os.environ.get("GRADWIRE_NATIVE", "1") == "0":
+        return None
+    try:
+        import numba
+    except ImportError:  # the optional extra is not installed: callers keep the torch/numpy path
+        return None
+
+    options = {"nogil": True, "boundscheck": False, "cache": True}
+    block = _BLOCK
+
+    # Each kernel walks blocks of 32: the block's arithmetic and its "any element at or above the
+    # limit?" test form a loop without branches that LLVM vectorizes; only a block with a hit
+    # (about a quarter of them at 1% density) is walked again, in L1, for its positions. 4.2 ms
+    # against 5.0 ms for the plain loop with a branch per element (11.2M float32, one thread;
+    # the floor torch.add is 3.0 ms on that run).
+    @numba.njit(**options)
+    def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
+                        positions: np.ndarray) -> int:  # pragma: no cover - compiled
+        found = 0
+        capacity = positions.size
+        n = out.size
+        full = n - n % block
+        for start in range(0, full, block):
+            hit = 0
+            for j in range(block):
+                x = grad[start + j] + residual[start + j]
+                out[start + j] = x
+                hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
+            if hit:
+                if found + block <= capacity:  # room for the whole block: store without branching
+                    for j in range(block):
+                        positions[found] = start + j
+                        found += abs(out[start + j]) >= limit
+                else:
+                    for j in range(block):
+                        if abs(out[start + j]) >= limit:
+                            if found < capacity:
+                                positions[found] = start + j
+                            found += 1
+        for i in range(full, n):
+            x = grad[i] + residual[i]
+            out[i] = x
+            if abs(x) >= limit:
+                if found < capacity:
+                    positions[found] = i
+                found += 1
+        return found
+
+    @numba.njit(**options)
+    def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> int:  # pragma: no cover - compiled
+        found = 0
+        capacity = positions.size
+        n = values.size
+        full = n - n % block
+        for start in range(0, full, block):
+            hit = 0
+            for j in range(block):
+                hit |= abs(values[start + j]) >= limit
+            if hit:
+                if found + block <= capacity:
+                    for j in range(block):
+                        positions[found] = start + j
+                        found += abs(values[start + j]) >= limit
+                else:
+                    for j in range(block):
+                        if abs(values[start + j]) >= limit:
+                            if found < capacity:
+                                positions[found] = start + j
+                            found += 1
+        for i in range(full, n):
+            if abs(values[i]) >= limit:
+                if found < capacity:
+                    positions[found] = i
+                found += 1
+        return found
+
+    _compiled = {"compensate_scan": compensate_scan, "scan": scan}
+    return _compiled
+
+
+#: the dtypes the kernels are compiled for (numba has no bfloat16; float16 stays on numpy)
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def usable(*arrays: Optional[np.ndarray]) -> bool:
+    """Whether the kernels can take these arrays (None entries are skipped): available, one dtype
+    of :data:`DTYPES` for all, C-contiguous."""
+    given = [a for a in arrays if a is not None]
+    return (available() and bool(given) and given[0].dtype in DTYPES
+            and all(a.dtype == given[0].dtype and a.flags.c_contiguous for a in given))
+
+
+def scan(values: np.ndarray, limit: Any, capacity: int) -> Optional[np.ndarray]:
+    """The ascending positions where ``|values| >= limit``, in one read (None: more than ``capacity``).
+
+    Args:
+        values: (n,) contiguous float32/float64.
+        limit: the threshold as a scalar of ``values``' dtype.
+        capacity: how many positions to make room for.
+
+    Returns:
+        (m,) int64 ascending positions, or None when more than ``capacity`` passed.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    kernels = _require()
+    positions = np.empty(max(1, capacity), dtype=np.int64)
+    found = kernels["scan"](values, limit, positions)
+    return None if found > positions.size else positions[:found]
+
+
+def _require() -> dict[str, Callable[..., Any]]:
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("gradwire.kernels: numba is not available (pip install gradwire[fast])")
+    return kernels
+
+
+def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, limit: Any,
+                        capacity: int) -> Optional[np.ndarray]:
+    """``out = grad + residual`` (``out = grad`` when ``residual`` is None) and the ascending
+    positions where ``|out| >= limit``, in one pass.
+
+    Args:
+        grad: (n,) contiguous float32/float64; ``residual`` and ``out`` the same dtype and size.
+        residual: (n,) or None.
+        out: (n,) receives the sum, whatever the return value.
+        limit: the threshold as a scalar of the arrays' dtype (the caller rounds it).
+        capacity: how many positions to make room for (a guess from a sample).
+
+    Returns:
+        (m,) int64 ascending positions, or None when more than ``capacity`` passed (``out`` is
+        written in full then: rescan it).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    kernels = _require()
+    if residual is None:  # nothing to add: copy, then scan the copy (still in cache for small n)
+        np.copyto(out, grad)
+        return scan(out, limit, capacity)
+    positions = np.empty(max(1, capacity), dtype=np.int64)
+    found = kernels["compensate_scan"](grad, residual, out, limit, positions)
+    if found > positions.size:
+        return None
+    return positions[:found]
