@@ -181,7 +181,8 @@ def test_sum_divide_factors_and_a_bf16_reduce_dtype_match_plain_fsdp2() -> None:
         _same_parameters([per_rank[case] for per_rank in results])
 
 
-HSDP_CASES = {"lossless": LOSSLESS, "int8": SETTINGS["int8"], "topk": SETTINGS["topk"]}
+HSDP_CASES = {"lossless": LOSSLESS, "int8": SETTINGS["int8"], "topk": SETTINGS["topk"],
+              "int8-gather": {**SETTINGS["int8"], "all_gather": "int8"}}
 
 
 @pytest.mark.timeout(300)
@@ -351,6 +352,130 @@ def test_a_nonfinite_contribution_is_skipped_on_every_rank() -> None:
     assert outcomes[0]["parameters"] == outcomes[1]["parameters"]
 
 
+# ------------------------------------------------------------------ quantized all-gather
+def _expected_gathered(parameter: torch.Tensor, world_size: int, bits: int) -> torch.Tensor:
+    """What every rank should compute with: each rank's padded chunk of ``parameter`` quantized on
+    its own (blocks of 128 restarting at the parameter), dequantized, the padding dropped."""
+    from gradwire.exchange import blockquant
+    from gradwire.fsdp import layout
+
+    rows = -(-parameter.shape[0] // world_size)
+    padded = torch.zeros((rows * world_size, *parameter.shape[1:]))
+    padded[: parameter.shape[0]] = parameter
+    chunks = padded.reshape(world_size, -1)
+    assert chunks.shape[1] == layout.chunk_numel(tuple(parameter.shape), world_size)
+    _, values = blockquant.roundtrip(chunks, bits=bits, block_size=128)
+    return values.reshape(padded.shape)[: parameter.shape[0]]
+
+
+def worker_all_gather(rank: int, world_size: int, name: str, steps: int, corrupt: bool) -> dict:
+    """Train with compress(..., all_gather=name): the parameters each Linear computes with (captured
+    in a forward pre-hook, after FSDP's unshard) against the quantized exact shards."""
+    import gradwire.fsdp
+    from gradwire.fsdp import all_gather as all_gather_module
+
+    model = _shard(_model())
+    state = gradwire.fsdp.compress(model, quantize="int8", all_gather=name)
+    bits = {"int8": 8, "int4": 4}[name]
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    seen: dict[int, torch.Tensor] = {}
+    for index, linear in enumerate(linears):
+        linear.register_forward_pre_hook(lambda module, args, index=index: seen.__setitem__(
+            index, module.weight.detach().float().clone()))
+    if corrupt and rank == 1:  # a byte of rank 0's codes changed on its way to rank 1, at step 1
+        honest = all_gather_module.allgather_tensor
+
+        def flipping(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            gathered = honest(tensor, *args, **kwargs)
+            if state.iteration == 1:
+                gathered[0, -1] ^= 0x10
+            return gathered
+
+        all_gather_module.allgather_tensor = flipping
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    worst, losses, outcome = 0.0, [], {}
+    for step in range(steps):
+        exact = [linear.weight.full_tensor().detach().clone() for linear in linears]
+        optimizer.zero_grad()
+        inputs, targets = _batch(rank, step)
+        try:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+        except Exception:
+            try:
+                state.raise_if_failed()
+            except Exception as typed:
+                outcome = {"step": step, "error": f"{type(typed).__name__}: {typed}"[:300]}
+            break
+        losses.append(float(loss.detach()))
+        for index, weight in enumerate(exact):
+            expected = _expected_gathered(weight, world_size, bits)
+            worst = max(worst, float((seen[index] - expected).abs().max()))
+            assert not torch.equal(seen[index], weight) or bits == 8  # int4 rounds visibly
+        optimizer.step()
+    stats = state.stats()
+    ratio = stats.get("all_gather_bytes_sent_total", 0.0) / max(1.0, stats.get("all_gather_bytes_dense_total", 0.0))
+    return {**outcome, "worst": worst, "losses": losses, "seen": _digest([seen[i] for i in sorted(seen)]),
+            "parameters": _digest(_full(model.parameters())), "ratio": ratio}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, world_size", [("int8", 2), ("int4", 3)])
+def test_quantized_all_gather_computes_with_the_dequantized_shards_on_every_rank(name: str,
+                                                                                 world_size: int) -> None:
+    results = run_workers(worker_all_gather, world_size, name, 12, False, timeout=240)
+    for result in results:
+        assert "step" not in result, result
+        assert result["worst"] == 0.0, result  # bit for bit: every rank's chunk quantized on its own
+        assert sum(result["losses"][-3:]) < sum(result["losses"][:3]), result["losses"]
+        assert 0.0 < result["ratio"] < (0.35 if name == "int8" else 0.22), result["ratio"]  # tiny: scales count
+    assert len({r["seen"] for r in results}) == 1, "ranks computed with different parameters"
+    _same_parameters(results)
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupted_all_gather_fails_the_step_on_every_rank() -> None:
+    outcomes = run_workers(worker_all_gather, 3, "int8", 4, True, timeout=240)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get("step") == 1, (rank, outcome)
+        assert "DivergenceError" in outcome["error"], (rank, outcome["error"])
+    assert len({o["parameters"] for o in outcomes}) == 1  # no rank stepped on the corrupted step
+
+
+def worker_killed_in_gather(rank: int, world_size: int, victim: int, death_step: int, stamp_dir: str) -> dict:
+    import gradwire.fsdp
+
+    model = _shard(_model())
+    gradwire.fsdp.compress(model, quantize="int8", all_gather="int8", collective_timeout=30.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(death_step + 20):
+        if rank == victim and step == death_step:  # between steps: the survivors' next gather waits on it
+            Path(stamp_dir, "death").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.zero_grad()
+        inputs, targets = _batch(rank, step)
+        try:
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        except Exception as error:
+            return {"raised_at": time.time(), "step": step, "typed": type(error).__name__, "error": str(error)[:300]}
+        optimizer.step()
+    return {"raised_at": None, "step": None, "typed": None}
+
+
+@pytest.mark.timeout(300)
+def test_every_survivor_raises_within_seconds_when_a_peer_dies_before_a_gather(tmp_path: Path) -> None:
+    results, exit_codes = run_workers_some_die(worker_killed_in_gather, 3, 1, 3, str(tmp_path), timeout=200,
+                                               pg_timeout=60)
+    died_at = float(Path(tmp_path, "death").read_text())
+    assert exit_codes[1] == -signal.SIGKILL, exit_codes
+    for rank in (0, 2):
+        ok, report = results[rank]
+        assert ok, report
+        assert report["step"] == 3, report
+        assert report["raised_at"] - died_at < 15, report
+        assert report["typed"] == "CollectiveError", report
+
+
 # --------------------------------------------------------------------------- checkpoints
 def worker_checkpoint(rank: int, world_size: int, options: dict) -> dict:
     import io
@@ -423,7 +548,7 @@ def worker_api(rank: int, world_size: int) -> dict:
     except ValueError as error:
         out["unsharded"] = str(error)
     for name, options in (("global", {"scope": "global"}), ("bloom", {"index_codec": "bloom"}),
-                          ("collective", {"collective": "allgather"})):
+                          ("collective", {"collective": "allgather"}), ("gather", {"all_gather": "int2"})):
         try:
             gradwire.fsdp.compress(_shard(_model()), **options)
         except ValueError as error:
@@ -448,4 +573,5 @@ def test_compress_refuses_what_it_cannot_do_and_honours_async_op() -> None:
         assert "scope='global' does not apply" in out["global"]
         assert "index_codec must be lossless" in out["bloom"]
         assert "does not apply to a reduce-scatter" in out["collective"]
+        assert "all_gather='int2' is not supported; allowed: None, int8, int4" in out["gather"]
         assert out["async"] == "True True True", out

@@ -101,7 +101,7 @@ def _fsdp_options(text: str) -> dict:
     if options.get("codec_options"):
         raise ValueError("codec options are not simulated")
     unknown = set(options) - {"compressor", "density", "value_codec", "index_codec", "error_feedback", "quantize",
-                              "quantize_block", "seed", "warmup_steps", "feedback_decay"}
+                              "quantize_block", "seed", "warmup_steps", "feedback_decay", "all_gather"}
     if unknown:
         raise ValueError(f"options {sorted(unknown)} are not simulated")
     if "quantize_block" in options:
@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         plugs, counter = _method_plugs(args.method, args.workers, args.steps)
         if reduce is not None:  # --fsdp (with --method allreduce, _check says): the sharded reduction
             plugs["reduce"] = reduce
+            if reduce.all_gather_bits is not None:  # forward and backward on the gathered (quantized) weights
+                plugs["forward_weights"] = reduce.gathered_weights
             counter = lambda: reduce.bytes_sent / args.workers  # noqa: E731 (summed over workers)
         result = simulate(args.workers, args.steps, model=args.model, data=args.data, batch_size=args.batch_size,
                           optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,

@@ -42,7 +42,10 @@ from ..core.group import Entry, Group, Replicas, ShardTarget
 from ..core.pipeline import Pipeline
 from ..core.round import RAISE, SKIP
 from ..core.strategies import Exchange
+from ..errors import check_choice
+from ..exchange.collectives import check_same_on_all_ranks
 from . import layout
+from .all_gather import ALL_GATHER_BITS, AllGatherStats, CompletedWork, QuantizedAllGather
 
 logger = logging.getLogger("gradwire")
 
@@ -67,20 +70,6 @@ class _Unit:
         return ("replicas", self.name)
 
 
-class _Completed(dist.Work):
-    """What an ``async_op=True`` call returns: the exchange is over when the call returns (its
-    rounds depend on each other and it must agree before it writes), so the Work is done."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2's ``ReduceScatter`` for one module: ``comm(output, input, group, op, async_op)``.
 
@@ -98,7 +87,7 @@ class CompressedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Optional[dist.Work]:
         self.state.reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
-        return _Completed() if async_op else None
+        return CompletedWork() if async_op else None
 
 
 class FSDPCompressionState:
@@ -130,6 +119,8 @@ class FSDPCompressionState:
         self._last_round: list[Exchange] = []
         self._names: dict[Hashable, str] = {}
         self._specs: dict[str, checkpoint.ParameterSpec] = {}
+        #: compress(all_gather=...)'s counters (None: FSDP2's own all-gather)
+        self.all_gather_stats: Optional[AllGatherStats] = None
         for unit in self.units:
             shard_size = _shard_size(unit)
             for key, name, shape in zip(unit.keys, _parameter_names(model, unit), unit.shapes):
@@ -154,6 +145,12 @@ class FSDPCompressionState:
         snapshot = self.pipeline.stats.snapshot()
         snapshot["residual_norm"] = self.feedback.norm() if self.feedback is not None else 0.0
         snapshot["residual_bytes"] = float(self.residual_bytes())
+        if self.all_gather_stats is not None:  # compress(all_gather=...): the parameter all-gathers, cumulative
+            gathered = self.all_gather_stats
+            snapshot.update(all_gather_bytes_sent_total=gathered.bytes_sent,
+                            all_gather_bytes_dense_total=gathered.bytes_dense,
+                            all_gather_calls_total=float(gathered.calls),
+                            seconds_all_gather_total=gathered.seconds)
         return snapshot
 
     def residual_bytes(self) -> int:
@@ -237,6 +234,10 @@ class FSDPCompressionState:
         round_group = Group(target, entries, divisor=self.divisor(unit, op, shard_size))
         step = self.iteration
         exchange = self.pipeline.start(round_group, step)
+        if self.all_gather_stats is not None and round_group.balanced_digest:
+            # the parameter all-gathers since the last round: their balanced share joins this one's
+            share = self.all_gather_stats.take_share()
+            round_group.digest = share if round_group.digest is None else round_group.digest ^ share
         verdict = self.pipeline.finish([round_group], [exchange], step)
         self._last_round = [exchange]
         self._count(unit)
@@ -269,7 +270,8 @@ class FSDPCompressionState:
                         "state_dict() instead")
 
 
-def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, **options: Any) -> FSDPCompressionState:
+def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_gather: Optional[str] = None,
+             **options: Any) -> FSDPCompressionState:
     """Install gradwire's compressed reduce-scatter on every ``FSDPModule`` in ``model``.
 
     Call it on every rank after ``fully_shard`` and before the first backward.
@@ -284,6 +286,10 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, **opt
             defaults to ``"none"`` then); None: a sparsifier (``compressor``, ``density``, codecs).
         error_feedback: keep per rank what was not sent (residuals of the unsharded gradient).
         residual_dtype: ``"float32"`` (4 bytes per gradient element per rank) or ``"bfloat16"`` (2).
+        all_gather: ``"int8"`` or ``"int4"``: also quantize the parameter all-gathers (blocks of
+            ``quantize_block``, restarting at every parameter; :mod:`.all_gather`), so forward and
+            backward run on parameters within half a quantization step of the exact shards the
+            optimizer keeps; None (default): FSDP2's exact all-gather.
 
     Returns:
         The :class:`FSDPCompressionState` (``stats()``, ``state_dict()``, ``load_state_dict()``,
@@ -298,11 +304,25 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, **opt
         if options.get("quantize") is not None:
             options.setdefault("compressor", "none")
         config = ExchangeConfig(**options)
+    check_choice("all_gather", all_gather, (None, *ALL_GATHER_BITS))
     state = FSDPCompressionState(model, config)
     for unit in state.units:
         for module in _modules_of(model, unit):
             module.set_custom_reduce_scatter(CompressedReduceScatter(state, unit))
             module.set_reduce_scatter_unused_params(True, recurse=False)
+    if all_gather is not None:
+        # a rank gathering int8 codes while a peer gathers float32 would mismatch its collectives:
+        # every rank compares the options now, before the first forward
+        check_same_on_all_ranks(f"{config.describe()};all_gather={all_gather}", state.process_group,
+                                timeout=config.collective_timeout)
+        state.all_gather_stats = AllGatherStats()
+        for unit in state.units:
+            shard_size = _shard_size(unit)
+            segments = [layout.chunk_numel(shape, shard_size) for shape in unit.shapes]
+            for module in _modules_of(model, unit):
+                module.set_custom_all_gather(QuantizedAllGather(
+                    segments, bits=ALL_GATHER_BITS[all_gather], block_size=config.quantize_block,
+                    timeout=config.collective_timeout, stats=state.all_gather_stats, tag=state.units.index(unit)))
     return state
 
 

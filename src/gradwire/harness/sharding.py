@@ -133,13 +133,16 @@ class ShardedReduce:
             blocks from each destination chunk's start, straddling parameters: the comparison).
         warmup_steps: the exact mean for the first N steps (the core's dense reduce-scatter).
         feedback_decay: β of ``e <- β (x - sent)`` (1: plain error feedback), as the core's.
+        all_gather: ``"int8"`` / ``"int4"``: the parameter all-gathers quantized too
+            (:meth:`gathered_weights`, for ``simulate(forward_weights=...)``), as
+            ``gradwire.fsdp.compress(all_gather=...)`` does; None: exact.
     """
 
     def __init__(self, model: nn.Module, workers: int, *, quantize: Optional[str] = None,
                  block_size: Optional[int] = 128, compressor: str = "none", density: Optional[float] = None,
                  value_codec: str = "fp32", index_codec: str = "rice", error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True,
-                 warmup_steps: int = 0, feedback_decay: float = 1.0) -> None:
+                 warmup_steps: int = 0, feedback_decay: float = 1.0, all_gather: Optional[str] = None) -> None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         position = {n: i for i, n in enumerate(names)}
         shapes = dict(model.named_parameters())
@@ -155,6 +158,9 @@ class ShardedReduce:
         self.codec = RegionCodecAdapter(index_codec=indices, value_codec=values)
         self.error_feedback = error_feedback
         self.feedback_decay = feedback_decay
+        self.all_gather_bits = {None: None, "int8": 8, "int4": 4}[all_gather]
+        self.gather_block = block_size or 128
+        self.gather_bytes_sent = 0.0  # per worker: the quantized parameter all-gathers' bytes, summed over steps
         self.aligned = aligned
         self.warmup_steps = warmup_steps
         self.residual_dtype = residual_dtype
@@ -182,6 +188,30 @@ class ShardedReduce:
             for i, tensor in zip(members, layout.unflatten(total, shapes, self.workers)):
                 out[i] = tensor
         self.step += 1
+        return out  # type: ignore[return-value]
+
+    def gathered_weights(self, parameters: Sequence[Tensor]) -> list[Tensor]:
+        """The parameters every worker computes with under a quantized all-gather: per unit, each
+        destination chunk blockwise quantized (blocks restarting at every parameter), dequantized.
+
+        Args:
+            parameters: one worker's parameters, in model order (requires_grad ones).
+
+        Returns:
+            One tensor per parameter, shaped like it.
+        """
+        assert self.all_gather_bits is not None
+        out: list[Optional[Tensor]] = [None] * len(parameters)
+        for members in self.units:
+            shapes = [self.shapes[i] for i in members]
+            flat = layout.flatten([parameters[i].detach().float() for i in members], self.workers)
+            x = flat.reshape(self.workers, -1)
+            segments = [layout.chunk_numel(shape, self.workers) for shape in shapes]
+            _, values = roundtrip(x, bits=self.all_gather_bits, block_size=self.gather_block, segments=segments)
+            self.gather_bytes_sent += (self.workers - 1) * quantized_bytes(
+                x.shape[-1], self.all_gather_bits, self.gather_block, segments) / self.workers
+            for i, tensor in zip(members, layout.unflatten(values.reshape(-1), shapes, self.workers)):
+                out[i] = tensor.to(parameters[i].dtype)
         return out  # type: ignore[return-value]
 
     def _compensated(self, w: int, unit: int, flat: Tensor) -> Tensor:
@@ -229,3 +259,4 @@ class ShardedReduce:
                 residual[positions] -= sent
             self._keep(w, unit, residual)
         return total
+

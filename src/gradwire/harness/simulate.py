@@ -131,7 +131,8 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
              workload: Optional[Workload] = None, model_options: Optional[dict[str, Any]] = None,
              eval_batch_size: int = 256, log: Optional[Callable[[str], None]] = None,
              eval_model: Optional[EvalModel] = None,
-             on_start: Optional[Callable[[Sequence[nn.Module]], None]] = None) -> Simulation:
+             on_start: Optional[Callable[[Sequence[nn.Module]], None]] = None,
+             forward_weights: Optional[Callable[[Sequence[Tensor]], Sequence[Tensor]]] = None) -> Simulation:
     """Train ``workers`` simulated data-parallel workers for ``steps`` steps; evaluate on the way.
 
     Args:
@@ -154,6 +155,8 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
         log: called with one line per evaluation (e.g. ``print``).
         eval_model: the model to evaluate, from the replicas (default: replica 0).
         on_start: called with the replicas before the first step (e.g. to take their initial weights).
+        forward_weights: a worker's parameters -> the values its forward and backward use (e.g.
+            FSDP's quantized all-gather); the optimizer still steps on the exact parameters.
 
     Returns:
         A :class:`Simulation`.
@@ -201,8 +204,18 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
         for replica, replica_params, optim, shard in zip(replicas, params, optims, shards):
             inputs, targets = next(shard)
             optim.zero_grad(set_to_none=True)
+            exact = None
+            if forward_weights is not None:  # compute at the gathered point, step on the exact weights
+                exact = [p.detach().clone() for p in replica_params]
+                with torch.no_grad():
+                    for parameter, value in zip(replica_params, forward_weights(replica_params)):
+                        parameter.copy_(value)
             loss = workload.loss(replica(inputs), targets)
             loss.backward()
+            if exact is not None:
+                with torch.no_grad():
+                    for parameter, value in zip(replica_params, exact):
+                        parameter.copy_(value)
             losses.append(float(loss.detach()))
             grads.append([p.grad if p.grad is not None else torch.zeros_like(p) for p in replica_params])
         reduced = reduce(grads)

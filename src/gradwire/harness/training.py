@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import optimizers, resume
 from ..exchange.cost import ring_allreduce_bytes
 from ..lifetime import barrier, wait_for
-from .methods import MethodSpec, parse_method
+from .methods import TORCH_HOOKS, MethodSpec, parse_method
 from .workloads import Workload, build_workload, evaluate
 
 
@@ -127,6 +127,9 @@ class TrainConfig:
             if self.fsdp and spec_parsed.local_steps is not None:
                 raise ValueError(f"fsdp=True: method {spec!r} is a local-steps method (gradwire.DiLoCo), which "
                                  "trains a plain or DDP model, not an FSDP2 one")
+            if not self.fsdp and spec_parsed.communication.name not in TORCH_HOOKS \
+                    and "all_gather" in spec_parsed.hook_options():
+                raise ValueError(f"method {spec!r}: gather= quantizes FSDP2's parameter all-gathers; it needs --fsdp")
             if self.fsdp and self.checkpoint_dir:
                 raise ValueError("fsdp=True: --checkpoint-dir is not supported with FSDP2 yet (sharded model and "
                                  "optimizer state)")
