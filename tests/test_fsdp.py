@@ -284,11 +284,15 @@ class _Tamper:
         codec_layer.encode_tensors = encode
 
 
-def worker_tampered(rank: int, world_size: int, mode: str, policy: str) -> dict:
+def worker_tampered(rank: int, world_size: int, mode: str, policy: str, bf16: bool = False) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     import gradwire.fsdp
 
     options = SETTINGS["int8"] if mode == "bytes" else {**SETTINGS["topk"], "value_codec": "fp32"}
-    model = _shard(_model())
+    # bf16 reduction: FSDP casts each shard into a float32 gradient (a copy, not a view of the output)
+    model = _shard(_model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)) \
+        if bf16 else _shard(_model())
     state = gradwire.fsdp.compress(model, nonfinite=policy, **options)
     _Tamper(mode, state).install(rank)
     honest = state.reduce_scatter
@@ -312,6 +316,7 @@ def worker_tampered(rank: int, world_size: int, mode: str, policy: str) -> dict:
     for step in range(3):
         optimizer.zero_grad()
         inputs, targets = _batch(rank, step)
+        skipped = state.stats()["skipped_steps"]
         try:
             torch.nn.functional.mse_loss(model(inputs), targets).backward()
         except Exception:
@@ -321,6 +326,8 @@ def worker_tampered(rank: int, world_size: int, mode: str, policy: str) -> dict:
                 outcome = {"step": step, "error": f"{type(typed).__name__}: {typed}"[:300]}
             outcome["residuals_unchanged"] = failed_round.get("unchanged", False)
             break
+        if state.stats()["skipped_steps"] > skipped:  # a skipped step: no module's gradient survives
+            outcome["skipped_grads_zero"] = all(not bool(p.grad.full_tensor().any()) for p in model.parameters())
         optimizer.step()
     outcome["parameters"] = _digest(_full(model.parameters()))
     outcome["skipped"] = state.stats()["skipped_steps"]
@@ -345,10 +352,12 @@ def test_a_tampered_contribution_fails_the_same_step_on_every_rank(mode: str, ex
 
 
 @pytest.mark.timeout(300)
-def test_a_nonfinite_contribution_is_skipped_on_every_rank() -> None:
-    outcomes = run_workers(worker_tampered, 2, "nan", "skip", timeout=200)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_nonfinite_contribution_is_skipped_on_every_rank(bf16: bool) -> None:
+    outcomes = run_workers(worker_tampered, 2, "nan", "skip", bf16, timeout=200)
     assert all("step" not in o for o in outcomes), outcomes
     assert all(o["skipped"] >= 1 for o in outcomes), outcomes
+    assert all(o["skipped_grads_zero"] for o in outcomes), outcomes  # the earlier modules' too
     assert outcomes[0]["parameters"] == outcomes[1]["parameters"]
 
 

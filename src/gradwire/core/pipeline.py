@@ -137,8 +137,16 @@ class Pipeline:
     def finish(self, groups: Sequence[Group], in_flight: Sequence[Exchange], step: int) -> Verdict:
         """The round's end (:mod:`~.round`): wait, second rounds, agree (with the planner's measured
         round time, :mod:`~.online`), error feedback on success."""
+        self.complete(groups, in_flight, step)
+        return self.agree(groups, step)
+
+    def complete(self, groups: Sequence[Group], in_flight: Sequence[Exchange], step: int) -> None:
+        """The first half of :meth:`finish`: every exchange waited for (or failed) and its result
+        written, second rounds run; nothing agreed and no residual changed yet. A front-end whose
+        round spans several calls (FSDP2: one call per module, one agreement per step) completes
+        each call's groups, then :meth:`agree`s once over all of them."""
         self._build()
-        assert self._round is not None and self._planner is not None
+        assert self._round is not None
         self._round.wait(groups, in_flight, step)
         for strategy in (self._strategies or {}).values():
             try:
@@ -146,6 +154,12 @@ class Pipeline:
             except BaseException as error:  # a strategy records its own failures; this is a bug guard
                 for group in groups:
                     group.mark_failed(error)
+
+    def agree(self, groups: Sequence[Group], step: int) -> Verdict:
+        """The second half of :meth:`finish`: one agreement over ``groups`` (each already through
+        :meth:`complete`), error feedback applied only if every rank succeeded with all of them."""
+        self._build()
+        assert self._round is not None and self._planner is not None
         with self.stats.timer("agree"):
             verdict = self._round.agree(groups, step, self._planner.round_extras())
         self._planner.observe(step, verdict.extras, verdict.action == APPLY)

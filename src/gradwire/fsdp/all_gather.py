@@ -12,13 +12,12 @@ values of *every* rank's shard, its own included, into FSDP's unsharded buffer:
 1. quantize this rank's shard (FSDP's ``input_tensor``, a view into ``output_tensor``);
 2. exchange the codes (:func:`gradwire.exchange.checked.allgather_tensor`: every rank talks to
    every peer, so a dead peer fails each survivor's call at once, within ``collective_timeout``);
-3. dequantize every rank's codes in rank order into ``output_tensor``.
-
+3. dequantize every rank's codes in rank order into ``output_tensor``;
 4. fold a balanced digest of the exchange into this rank's pending share
    (:meth:`AllGatherStats.take_share`): for each peer, a hash of the codes sent to it tagged
-   (module, sender, receiver), and for each peer's codes received the same tagged hash of what
-   arrived. The next compressed reduce-scatter round (the same step's backward: every gather of a
-   step precedes the root module's reduction) XORs it into its own balanced digest, so codes
+   (call, module, sender, receiver), and for each peer's codes received the same tagged hash of
+   what arrived. The step's reduce-scatter round (its one agreement comes at the last module's
+   reduction, after every gather of the step) XORs it into its balanced digest, so codes
    corrupted in flight — ranks that would compute with different parameters — make every rank
    raise ``DivergenceError`` at that step, before any optimizer step.
 
@@ -141,10 +140,15 @@ class QuantizedAllGather(AllGather):
         """Step 4: this rank's share of the balanced digest (module docstring)."""
         hashes = _hash_rows(gathered)
         own = _hash_rows(codes.reshape(1, -1))[0]
+        # the call's ordinal is in the tag: every rank gathers in the same order, and a module gathered
+        # twice in a step (forward, then backward after a reshard) sends the same codes twice, whose
+        # shares would cancel under XOR without it
+        call = self.stats.calls
         share = 0
         for peer in range(ranks):
             if peer != rank:
-                share ^= _tagged(own, (2, self.tag, rank, peer)) ^ _tagged(hashes[peer], (2, self.tag, peer, rank))
+                share ^= _tagged(own, (2, call, self.tag, rank, peer)) ^ _tagged(hashes[peer],
+                                                                                 (2, call, self.tag, peer, rank))
         self.stats.pending_share ^= share
 
     def _exact(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -4,12 +4,18 @@
    (``set_custom_reduce_scatter``) and makes FSDP include zero gradients for parameters a step
    did not use (``set_reduce_scatter_unused_params``), so every call's layout is the module's
    whole parameter list;
-2. each call (one per module per step, on backward's thread) is one round of the core: a
-   :class:`~gradwire.core.group.Group` over FSDP's flat input, one entry per (parameter,
-   destination chunk) (:mod:`.layout`), a :class:`~gradwire.core.group.ShardTarget` whose result
-   is FSDP's output shard, ``Pipeline.start`` then ``Pipeline.finish``;
-3. the verdict: apply (the shard is written), skip (zeros), or raise on every rank alike (the
-   typed error also stays on the state: :meth:`FSDPCompressionState.raise_if_failed`).
+2. each call (one per module per step, on backward's thread) is one module's part of the step's
+   round of the core: a :class:`~gradwire.core.group.Group` over FSDP's flat input, one entry per
+   (parameter, destination chunk) (:mod:`.layout`), a :class:`~gradwire.core.group.ShardTarget`
+   whose result is FSDP's output shard, ``Pipeline.start`` then ``Pipeline.complete``: the shard is
+   written (or the group failed) before the call returns, as FSDP needs, but nothing is agreed yet
+   and no residual changes;
+3. at the step's last module (every module has reduced once), one ``Pipeline.agree`` over all of
+   the step's groups, and the verdict: apply (every module's residuals change), skip (zeros: this
+   module's shard and the sharded gradients FSDP already took from the earlier ones), or raise on
+   every rank alike (the typed error also stays on the state:
+   :meth:`FSDPCompressionState.raise_if_failed`). One agreement per step rather than per module:
+   a collective's latency per module saved, and a step either applies everywhere or nowhere.
 
 HSDP (``fully_shard`` on a 2-D mesh, replicate x shard): FSDP2 would all-reduce each shard across
 replicas itself, densely, after the reduce-scatter, with no public switch to replace it
@@ -70,6 +76,24 @@ class _Unit:
         return ("replicas", self.name)
 
 
+@dataclass
+class _Reduced:
+    """One module's completed part of the step's round."""
+
+    unit: _Unit
+    group: Group
+    exchange: Exchange
+    output: torch.Tensor
+
+
+def _zero_sharded_grads(unit: _Unit) -> None:
+    """Zero the sharded gradients FSDP assigned from ``unit``'s reduce-scatter (a skipped step)."""
+    for fsdp_param in getattr(unit.param_group, "fsdp_params", ()):
+        grad = getattr(fsdp_param.sharded_param, "grad", None)
+        if grad is not None:
+            grad.zero_()
+
+
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2's ``ReduceScatter`` for one module: ``comm(output, input, group, op, async_op)``.
 
@@ -115,8 +139,10 @@ class FSDPCompressionState:
         #: the typed error of the last round that failed (FSDP's autograd hooks may re-wrap it)
         self.error: Optional[BaseException] = None
         self._called: set[int] = set()
-        #: the last round's exchange, held (with its collectives' Work) until the next round
+        #: the last step's exchanges, held (with their collectives' Work) until the next step
         self._last_round: list[Exchange] = []
+        #: this step's modules so far: completed (written or failed), agreed at the step's last module
+        self._pending: list[_Reduced] = []
         self._names: dict[Hashable, str] = {}
         self._specs: dict[str, checkpoint.ParameterSpec] = {}
         #: compress(all_gather=...)'s counters (None: FSDP2's own all-gather)
@@ -186,7 +212,7 @@ class FSDPCompressionState:
         if device is None:
             device = next(self.model.parameters()).device
         self.iteration = self.pipeline.load_state_dict(state, names=self._names, specs=self._specs, device=device)
-        self._called, self._last_round, self.error = set(), [], None
+        self._called, self._last_round, self._pending, self.error = set(), [], [], None
 
     # ------------------------------------------------------------------------- the exchange
     def divisor(self, unit: _Unit, op: Any, shard_size: int) -> float:
@@ -210,53 +236,60 @@ class FSDPCompressionState:
 
     def reduce_scatter(self, unit: _Unit, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                        op: Any) -> None:
-        """One module's round: the core's exchange of ``input`` into ``output`` (module docstring).
+        """One module's part of the step's round: the core's exchange of ``input`` into ``output``
+        (module docstring); at the step's last module, the one agreement.
 
         Raises:
             ValueError: the input does not have the module's layout (nothing was sent).
-            The round's error (every rank raises at the same module and step): see
-                :meth:`raise_if_failed`.
+            At the step's last module, the round's error (every rank raises at the same module and
+                step): see :meth:`raise_if_failed`.
         """
         self.pipeline.check_config()
-        self._last_round = []
         shard_size = group.size()
         expected = layout.shard_numel(unit.shapes, shard_size)
         if output.numel() != expected or input.numel() != shard_size * expected:
             raise ValueError(f"gradwire.fsdp: module {unit.name or '<root>'!r} reduce-scatters {input.numel()} -> "
                              f"{output.numel()} elements; its parameters' layout is {shard_size} x {expected}")
+        index = self.units.index(unit)
+        if index in self._called:  # a module reduced twice: the last step ended without some module
+            self._close_step()
         entries = [Entry((unit.keys[piece.parameter], piece.chunk),
                          unit.tensor_ids[piece.parameter] * shard_size + piece.chunk,
                          input[piece.offset: piece.offset + piece.numel], piece.offset)
                    for piece in layout.pieces(unit.shapes, shard_size)]
-        replicas = None if unit.replicas is None else \
-            Replicas(unit.replicas, unit.replica_key, -1 - self.units.index(unit))
+        replicas = None if unit.replicas is None else Replicas(unit.replicas, unit.replica_key, -1 - index)
         target = ShardTarget(input, output, group=group, replicas=replicas)
         round_group = Group(target, entries, divisor=self.divisor(unit, op, shard_size))
         step = self.iteration
         exchange = self.pipeline.start(round_group, step)
-        if self.all_gather_stats is not None and round_group.balanced_digest:
-            # the parameter all-gathers since the last round: their balanced share joins this one's
+        self.pipeline.complete([round_group], [exchange], step)  # written (or failed); nothing agreed yet
+        self._pending.append(_Reduced(unit, round_group, exchange, output))
+        self._called.add(index)
+        if len(self._called) == len(self.units):
+            self._close_step()
+
+    def _close_step(self) -> None:
+        """The step's one agreement over every module's group (one AllGather of 16 bytes per rank,
+        not one per module): apply, skip or raise on every rank alike."""
+        pending, self._pending = self._pending, []
+        groups = [reduced.group for reduced in pending]
+        if self.all_gather_stats is not None and groups and groups[-1].balanced_digest:
+            # the parameter all-gathers of this step: their balanced share joins the round's digest
+            last = groups[-1]
             share = self.all_gather_stats.take_share()
-            round_group.digest = share if round_group.digest is None else round_group.digest ^ share
-        verdict = self.pipeline.finish([round_group], [exchange], step)
-        self._last_round = [exchange]
-        self._count(unit)
+            last.digest = share if last.digest is None else last.digest ^ share
+        verdict = self.pipeline.agree(groups, self.iteration)
+        self._last_round = [reduced.exchange for reduced in pending]  # their Works live until the next step
+        self._end_step()
         if verdict.action == RAISE:
             assert verdict.error is not None
             self.error = verdict.error
             raise verdict.error
         if verdict.action == SKIP:
-            output.zero_()
-
-    def _count(self, unit: _Unit) -> None:
-        """A step ends when every module has reduced once (FSDP reduces each module once per
-        step, unused parameters included: ``compress`` asks for them)."""
-        index = self.units.index(unit)
-        if index in self._called:  # a module reduced twice: some module skipped the last step
-            self._end_step()
-        self._called.add(index)
-        if len(self._called) == len(self.units):
-            self._end_step()
+            for reduced in pending:
+                reduced.output.zero_()
+                if reduced is not pending[-1]:  # FSDP already took the earlier modules' shards as gradients
+                    _zero_sharded_grads(reduced.unit)
 
     def _end_step(self) -> None:
         self._called = set()
