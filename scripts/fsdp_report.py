@@ -12,7 +12,9 @@ Reads:
   ``sim-plain-sSEED.json`` where present;
 * ``train-bytes-*.json``: ``gradwire train --fsdp --json`` summaries (bytes per step and rank);
 * ``memory-NAME-rROUND.json``: ``scripts/fsdp_memory.py`` lines (peak memory per rank);
-* ``hsdp-2x2-NAME.json``: ``scripts/fsdp_hsdp.py`` lines (bytes on a 2 x 2 mesh).
+* ``hsdp-2x2-NAME.json``: ``scripts/fsdp_hsdp.py`` lines (bytes on a 2 x 2 mesh);
+* ``timing-*.json``: ``gradwire train --fsdp --cluster --json`` summaries (seconds per step, each
+  launch against the mean of its own plain FSDP2 rows).
 
 Prints markdown tables.
 """
@@ -127,6 +129,35 @@ def memory_table(folder: str) -> str:
     return "\n".join(lines)
 
 
+def timing_table(folder: str) -> str:
+    paths = sorted(glob.glob(os.path.join(folder, "timing-*.json")))
+    if not paths:
+        return ""
+    launches = [_load(path) for path in paths]
+    methods: list[str] = []
+    for summaries in launches:
+        for summary in summaries:
+            if summary["method"] not in methods:
+                methods.append(summary["method"])
+    names = [os.path.basename(p).removesuffix(".json") for p in paths]
+    lines = ["\n| method | " + " | ".join(f"s/step ({n})" for n in names) + " | x plain FSDP2 per launch | median |",
+             "|---|" + "---|" * len(names) + "---|---|"]
+    for method in methods:
+        cells, ratios = [], []
+        for summaries in launches:
+            plain = [s["seconds_per_step"] for s in summaries if s["method"] == "allreduce"]
+            mine = [s["seconds_per_step"] for s in summaries if s["method"] == method]
+            cells.append(", ".join(f"{v:.3f}" for v in mine) or "–")
+            if plain and mine:
+                ratios.append(sum(mine) / len(mine) / (sum(plain) / len(plain)))
+        ordered = sorted(ratios)
+        median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2 if ordered else float("nan")
+        name = "plain FSDP2 (`allreduce`)" if method == "allreduce" else f"`{method}`"
+        lines.append(f"| {name} | " + " | ".join(cells) + " | " + ", ".join(f"{r:.3f}" for r in ratios)
+                     + f" | {median:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="docs/fsdp")
@@ -135,6 +166,7 @@ def main() -> None:
     print(quality(args.dir, args.plain))
     print(bytes_table(args.dir))
     print(memory_table(args.dir))
+    print(timing_table(args.dir))
 
 
 if __name__ == "__main__":

@@ -465,6 +465,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
         "wall_seconds": wall,
         "seconds_per_step": aggregate([r["seconds_step"] for r in measured]),
         "bytes_per_step": aggregate([r.get("bytes_sent", math.nan) for r in measured]),
+        #: FSDP2 with ``all_gather=``: the quantized parameter all-gathers' bytes per step and rank
+        "all_gather_bytes_per_step": aggregate([r.get("all_gather_bytes_sent", math.nan) for r in measured]),
         "parameters": sum(p.numel() for p in ddp.parameters()),
         "phases": {key: aggregate([r.get(key, math.nan) for r in measured]) for key in
                    ("seconds_forward", "seconds_backward", "seconds_optimizer", "seconds_compress",
@@ -580,6 +582,10 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
                 # buckets per strategy so far: which exchange ``auto`` took, and what it measured
                 record.update({key: value for key, value in stats.items()
                                if key.endswith("_buckets") or key.startswith("auto_")})
+                if "all_gather_bytes_sent_total" in stats:  # FSDP2 with all_gather=: this step's gathers
+                    gathered = holder.get("gather_last", 0.0)
+                    record["all_gather_bytes_sent"] = stats["all_gather_bytes_sent_total"] - gathered
+                    holder["gather_last"] = stats["all_gather_bytes_sent_total"]
             else:
                 parameters = sum(p.numel() for p in ddp.parameters() if p.requires_grad)
                 record["bytes_sent"] = _hook_bytes_per_step(spec, parameters, world)
