@@ -37,20 +37,40 @@ def test_compensate_and_scan_equals_numpy(dtype: type, numel: int) -> None:
     found = kernels.compensate_and_scan(grad, residual, out, limit, capacity=numel)
     expected_out = grad + residual
     np.testing.assert_array_equal(out, expected_out)  # NaN positions compare equal here
-    assert found is not None
-    np.testing.assert_array_equal(found, _numpy_positions(expected_out, limit))
+    assert found.positions is not None
+    np.testing.assert_array_equal(found.positions, _numpy_positions(expected_out, limit))
+    assert found.finite == bool(np.isfinite(expected_out).all()) and found.nonzero
     scanned = kernels.scan(expected_out, limit, capacity=numel)
-    assert scanned is not None
-    np.testing.assert_array_equal(scanned, found)
+    assert scanned.positions is not None
+    np.testing.assert_array_equal(scanned.positions, found.positions)
+    assert scanned.finite == found.finite
+
+
+@pytest.mark.parametrize("numel", [31, 64, 1000])
+def test_the_flags_see_one_nan_or_inf_anywhere_and_an_all_zero_gradient(numel: int) -> None:
+    for position in (0, numel // 2, numel - 1):  # in a whole block and in the tail
+        for bad in (np.nan, np.inf, -np.inf):
+            grad = np.ones(numel, dtype=np.float32)
+            grad[position] = bad
+            found = kernels.compensate_and_scan(grad, np.zeros(numel, np.float32), np.empty(numel, np.float32),
+                                                np.float32(0.5), capacity=numel)
+            assert not found.finite and found.nonzero, (position, bad)
+    zeros = np.zeros(numel, dtype=np.float32)
+    found = kernels.compensate_and_scan(zeros, np.ones(numel, np.float32), np.empty(numel, np.float32),
+                                        np.float32(0.5), capacity=numel)
+    assert found.finite and not found.nonzero  # nonzero is the gradient's, not the compensated sum's
+    overflow = np.full(numel, 3e38, dtype=np.float32)
+    assert not kernels.compensate_and_scan(overflow, overflow, np.empty(numel, np.float32), np.float32(0.5),
+                                           capacity=numel).finite
 
 
 def test_too_many_candidates_returns_none_with_out_written() -> None:
     grad = np.ones(1000, dtype=np.float32)
     residual = np.ones(1000, dtype=np.float32)
     out = np.zeros(1000, dtype=np.float32)
-    assert kernels.compensate_and_scan(grad, residual, out, np.float32(0.5), capacity=10) is None
+    assert kernels.compensate_and_scan(grad, residual, out, np.float32(0.5), capacity=10).positions is None
     np.testing.assert_array_equal(out, np.full(1000, 2.0, dtype=np.float32))
-    assert kernels.scan(out, np.float32(0.5), capacity=999) is None
+    assert kernels.scan(out, np.float32(0.5), capacity=999).positions is None
 
 
 def test_usable_refuses_mixed_dtypes_and_strides() -> None:
@@ -87,3 +107,70 @@ def test_environment_switch_turns_the_kernels_off() -> None:
     code = "from gradwire import kernels; print(kernels.available())"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def worker_deferred_check(rank: int, world_size: int, native: bool) -> list[dict]:
+    """Four rounds of a top-k pipeline over large tensors (the deferred check's path with the kernels):
+    normal, an all-zero parameter on rank 1, normal, a NaN on rank 1."""
+    import hashlib
+    import math
+
+    os.environ["GRADWIRE_NATIVE"] = "1" if native else "0"
+    kernels._tried, kernels._compiled = False, None  # a forked worker inherits the parent's decision
+    import torch.distributed as dist
+
+    from gradwire.core.config import ExchangeConfig
+    from gradwire.core.group import BufferTarget, Entry, Group
+    from gradwire.core.pipeline import Pipeline
+
+    pipeline = Pipeline(ExchangeConfig(compressor="topk", density=0.01, collective="allgather", value_codec="fp32"),
+                        dist.group.WORLD)
+    sizes = [50_000, 40_000, 300]
+    records = []
+    for step, case in enumerate(["normal", "zero", "normal", "nan"]):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        buffer = torch.randn(sum(sizes), generator=generator)
+        if rank == 1 and case == "zero":
+            buffer[50_000:90_000] = 0.0
+        if rank == 1 and case == "nan":
+            buffer[50_123] = math.nan
+        group, offset = Group(BufferTarget([buffer]), divisor=float(world_size)), 0
+        for index, numel in enumerate(sizes):
+            group.entries.append(Entry(index, index, buffer[offset: offset + numel], offset))
+            offset += numel
+        deferred = sorted(pipeline.selection.deferrable(group))
+        before = {k: v.clone() for k, v in pipeline.feedback.residuals.items()}
+        exchange = pipeline.start(group, step)
+        verdict = pipeline.finish([group], [exchange], step)
+        residuals = pipeline.feedback.residuals
+        records.append({
+            "case": case, "deferred": deferred, "action": verdict.action,
+            "error": type(verdict.error).__name__ if verdict.error is not None else None,
+            "unused": [entry.unused for entry in group.entries],
+            "kept_whole": 1 in before and torch.equal(before[1], residuals[1]),
+            "residuals": hashlib.sha256(b"".join(residuals[k].numpy().tobytes()
+                                                 for k in sorted(residuals))).hexdigest(),
+            "result": hashlib.sha256(buffer.numpy().tobytes()).hexdigest()})
+    return records
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_the_deferred_check_finds_what_the_pipelines_check_finds() -> None:
+    """With the kernels the check of large tensors happens inside their compensate-and-scan; an
+    all-zero parameter and a NaN are found as the separate check finds them, and the rounds end
+    bit for bit as without the kernels (their torch/numpy path, which checks first)."""
+    from .distributed import run_workers
+
+    native = run_workers(worker_deferred_check, 2, True, timeout=150)
+    plain = run_workers(worker_deferred_check, 2, False, timeout=150)
+    for rank in (0, 1):
+        assert [r["deferred"] for r in native[rank]] == [[0, 1]] * 4  # the 300-element one is checked first
+        assert [r["deferred"] for r in plain[rank]] == [[]] * 4
+        for mine, theirs in zip(native[rank], plain[rank]):
+            assert {k: v for k, v in mine.items() if k != "deferred"} == \
+                {k: v for k, v in theirs.items() if k != "deferred"}, (rank, mine, theirs)
+        zero, nan = native[rank][1], native[rank][3]
+        assert zero["action"] == "apply" and nan["action"] == "raise" and nan["error"] == "NonFiniteGradientError"
+    assert native[1][1]["unused"] == [False, True, False] and native[1][1]["kept_whole"]
+    assert native[0][1]["unused"] == [False, False, False]

@@ -16,7 +16,7 @@ disk beside this module when that is writable).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -53,17 +53,22 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
     # the floor torch.add is 3.0 ms on that run).
     @numba.njit(**options)
     def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
-                        positions: np.ndarray) -> int:  # pragma: no cover - compiled
+                        positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
         found = 0
         capacity = positions.size
         n = out.size
         full = n - n % block
+        finite = True  # every x = grad + residual finite (a NaN/Inf gradient, or an overflow, makes it False)
+        nonzero = False  # some grad element is not zero (an all-zero gradient: a parameter unused this step)
         for start in range(0, full, block):
             hit = 0
             for j in range(block):
-                x = grad[start + j] + residual[start + j]
+                g = grad[start + j]
+                x = g + residual[start + j]
                 out[start + j] = x
                 hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
+                finite &= abs(x) < np.inf
+                nonzero |= g != 0
             if hit:
                 if found + block <= capacity:  # room for the whole block: store without branching
                     for j in range(block):
@@ -76,24 +81,32 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                                 positions[found] = start + j
                             found += 1
         for i in range(full, n):
-            x = grad[i] + residual[i]
+            g = grad[i]
+            x = g + residual[i]
             out[i] = x
+            finite &= abs(x) < np.inf
+            nonzero |= g != 0
             if abs(x) >= limit:
                 if found < capacity:
                     positions[found] = i
                 found += 1
-        return found
+        return found, finite, nonzero
 
     @numba.njit(**options)
-    def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> int:  # pragma: no cover - compiled
+    def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
         found = 0
         capacity = positions.size
         n = values.size
         full = n - n % block
+        finite = True
+        nonzero = False
         for start in range(0, full, block):
             hit = 0
             for j in range(block):
-                hit |= abs(values[start + j]) >= limit
+                v = values[start + j]
+                hit |= abs(v) >= limit
+                finite &= abs(v) < np.inf
+                nonzero |= v != 0
             if hit:
                 if found + block <= capacity:
                     for j in range(block):
@@ -106,11 +119,14 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                                 positions[found] = start + j
                             found += 1
         for i in range(full, n):
-            if abs(values[i]) >= limit:
+            v = values[i]
+            finite &= abs(v) < np.inf
+            nonzero |= v != 0
+            if abs(v) >= limit:
                 if found < capacity:
                     positions[found] = i
                 found += 1
-        return found
+        return found, finite, nonzero
 
     _compiled = {"compensate_scan": compensate_scan, "scan": scan}
     return _compiled
@@ -128,8 +144,17 @@ def usable(*arrays: Optional[np.ndarray]) -> bool:
             and all(a.dtype == given[0].dtype and a.flags.c_contiguous for a in given))
 
 
-def scan(values: np.ndarray, limit: Any, capacity: int) -> Optional[np.ndarray]:
-    """The ascending positions where ``|values| >= limit``, in one read (None: more than ``capacity``).
+class Scan(NamedTuple):
+    """What a scan found: ``positions`` (ascending int64; None when more than the room passed),
+    and, over the scanned values, whether all are finite and whether any is not zero."""
+
+    positions: Optional[np.ndarray]
+    finite: bool
+    nonzero: bool
+
+
+def scan(values: np.ndarray, limit: Any, capacity: int) -> Scan:
+    """The ascending positions where ``|values| >= limit``, in one read, and two flags of ``values``.
 
     Args:
         values: (n,) contiguous float32/float64.
@@ -137,15 +162,15 @@ def scan(values: np.ndarray, limit: Any, capacity: int) -> Optional[np.ndarray]:
         capacity: how many positions to make room for.
 
     Returns:
-        (m,) int64 ascending positions, or None when more than ``capacity`` passed.
+        A :class:`Scan` (``positions`` None when more than ``capacity`` passed).
 
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
     kernels = _require()
     positions = np.empty(max(1, capacity), dtype=np.int64)
-    found = kernels["scan"](values, limit, positions)
-    return None if found > positions.size else positions[:found]
+    found, finite, nonzero = kernels["scan"](values, limit, positions)
+    return Scan(None if found > positions.size else positions[:found], bool(finite), bool(nonzero))
 
 
 def _require() -> dict[str, Callable[..., Any]]:
@@ -156,9 +181,11 @@ def _require() -> dict[str, Callable[..., Any]]:
 
 
 def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, limit: Any,
-                        capacity: int) -> Optional[np.ndarray]:
+                        capacity: int) -> Scan:
     """``out = grad + residual`` (``out = grad`` when ``residual`` is None) and the ascending
-    positions where ``|out| >= limit``, in one pass.
+    positions where ``|out| >= limit``, in one pass; with the flags the pipeline's check needs
+    (``finite``: every ``out`` element; ``nonzero``: some ``grad`` element), so that pass can
+    stand in for it.
 
     Args:
         grad: (n,) contiguous float32/float64; ``residual`` and ``out`` the same dtype and size.
@@ -168,18 +195,16 @@ def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: n
         capacity: how many positions to make room for (a guess from a sample).
 
     Returns:
-        (m,) int64 ascending positions, or None when more than ``capacity`` passed (``out`` is
-        written in full then: rescan it).
+        A :class:`Scan`; ``positions`` None when more than ``capacity`` passed (``out`` is written
+        in full then, and the flags are complete: rescan ``out`` for the positions).
 
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
     kernels = _require()
-    if residual is None:  # nothing to add: copy, then scan the copy (still in cache for small n)
+    if residual is None:  # nothing to add: copy, then scan the copy (out = grad: the same flags)
         np.copyto(out, grad)
         return scan(out, limit, capacity)
     positions = np.empty(max(1, capacity), dtype=np.int64)
-    found = kernels["compensate_scan"](grad, residual, out, limit, positions)
-    if found > positions.size:
-        return None
-    return positions[:found]
+    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions)
+    return Scan(None if found > positions.size else positions[:found], bool(finite), bool(nonzero))

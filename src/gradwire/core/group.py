@@ -328,7 +328,8 @@ def offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
     return offset
 
 
-def check_entries(group: Group) -> None:
+def check_entries(group: Group, *, skip: "frozenset[int]" = frozenset(),
+                  only: "Optional[frozenset[int]]" = None) -> None:
     """Set ``group.finite`` (every gradient finite on this rank) and each entry's ``unused`` (its
     gradient is all zeros here), from one fused pass over the group and one host sync.
 
@@ -336,15 +337,25 @@ def check_entries(group: Group) -> None:
     finite norm means no NaN/Inf, except where squaring under- or overflows (elements below
     ~1e-23 or above ~1e19 in float32): so a zero norm is confirmed by ``any()`` and a non-finite
     one by an exact ``isfinite`` check, on that entry alone — rare paths, exact results.
+
+    Args:
+        group: the round's group.
+        skip: positions of entries left out (the fused selection checks them on its way,
+            :meth:`~.selection.Selection.deferrable`); ``group.finite`` then covers the others only.
+        only: check just these positions (the rest of a check that was deferred); ``group.finite``
+            stays False once it is False.
     """
-    entries = group.entries
-    if not entries:
+    chosen = [entry for position, entry in enumerate(group.entries)
+              if position not in skip and (only is None or position in only)]
+    if not group.entries:
         group.finite = group.finite and all(all_finite(t) for t in group.target.inputs())
         return
-    grads = [entry.grad.reshape(-1) for entry in entries]
+    if not chosen:
+        return
+    grads = [entry.grad.reshape(-1) for entry in chosen]
     norms = torch.stack(torch._foreach_norm(grads)).tolist()
     finite = True
-    for entry, grad, norm in zip(entries, grads, norms):
+    for entry, grad, norm in zip(chosen, grads, norms):
         entry.unused = norm == 0.0 and not bool(grad.any())
         if not math.isfinite(norm):
             finite = finite and bool(torch.isfinite(grad).all())

@@ -104,12 +104,18 @@ class Pipeline:
 
     def _start(self, group: Group, step: int, strategies: dict[str, ExchangeStrategy]) -> Exchange:
         assert self._planner is not None
+        # the entries the fused selection checks on its way (one read of the bucket fewer); a plan
+        # that does not select checks them here after all
+        deferred = self.selection.deferrable(group) if self.selection is not None else frozenset()
         with self.stats.timer("check"):
-            check_entries(group)
+            check_entries(group, skip=deferred)
         plan = self._planner.plan(group, step)
+        if plan.selection != SELECT and deferred:
+            with self.stats.timer("check"):
+                check_entries(group, only=deferred)
         if plan.selection == SELECT:
             assert self.selection is not None
-            self.selection.run(group, step)
+            self.selection.run(group, step, deferred=deferred)
         elif plan.selection == COMPENSATE and (plan.strategy != "dense" or self._owes(group)):
             assert self.selection is not None
             self.selection.compensate(group, detect_unused=plan.detect_unused)

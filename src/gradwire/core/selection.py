@@ -6,10 +6,11 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..sparsify import select_global
 from ..sparsify.base import Sparsifier
 from .feedback import ErrorFeedback, accumulation_dtype
-from .group import Entry, Group
+from .group import Entry, Group, check_entries
 from .stats import ExchangeStats
 
 
@@ -25,6 +26,13 @@ class Selection:
 
     ``stats`` counts ``count_compensations`` and ``count_selections`` (entries), so a test can
     check that each entry is compensated and selected exactly once per round.
+
+    Where the native kernels take an entry (:mod:`gradwire.kernels`: top-k on a large CPU tensor),
+    its compensate-and-scan also tells whether the compensated gradient is finite and the gradient
+    not all zeros, so the pipeline's check (:func:`~.group.check_entries`, one more read of the
+    bucket) skips it (:meth:`deferrable`) and :meth:`run` completes it: an unused entry then selects
+    nothing and keeps its residual whole, and a non-finite one makes the whole group select nothing,
+    as if the check had come first.
     """
 
     def __init__(self, sparsifier: Sparsifier, feedback: Optional[ErrorFeedback], scope: str,
@@ -44,12 +52,23 @@ class Selection:
                 entry.compensated = self._compensate(entry, finite)
         self.stats.add("count_compensations", len(group.entries))
 
-    def run(self, group: Group, step: int) -> None:
+    def deferrable(self, group: Group) -> "frozenset[int]":
+        """Positions of the entries whose check :meth:`run` can do on its way (see the class
+        docstring); empty unless the selection is fused and per rank and the kernels are here."""
+        fuses = getattr(self.sparsifier, "fused_check_applies", None)
+        if fuses is None or self.scope != "layer" or type(self.feedback) not in (ErrorFeedback, type(None)) \
+                or self.sparsifier.shared_support or not kernels.available():
+            return frozenset()
+        return frozenset(position for position, entry in enumerate(group.entries) if fuses(entry.grad))
+
+    def run(self, group: Group, step: int, *, deferred: "frozenset[int]" = frozenset()) -> None:
         """Steps 1-3: compensate, then select (fused per entry where the sparsifier can, see
-        :meth:`~gradwire.sparsify.Sparsifier.select_compensated`: timed as ``select`` then)."""
+        :meth:`~gradwire.sparsify.Sparsifier.select_compensated`: timed as ``select`` then).
+        ``deferred``: entries the pipeline did not check (:meth:`deferrable`)."""
         if self.scope == "layer" and type(self.feedback) in (ErrorFeedback, type(None)):
-            self._run_fused(group, step)
+            self._run_fused(group, step, deferred)
             return
+        assert not deferred, "only the fused selection checks on its way"
         self.compensate(group)
         with self.stats.timer("select"):
             if self.scope == "global":  # unused entries hold zeros, which a per-rank support skips
@@ -60,12 +79,15 @@ class Selection:
                 entry.indices = indices
         self.stats.add("count_selections", len(group.entries))
 
-    def _run_fused(self, group: Group, step: int) -> None:
+    def _run_fused(self, group: Group, step: int, deferred: "frozenset[int]" = frozenset()) -> None:
         finite = group.finite
+        late_nonfinite = False
         with self.stats.timer("select"):
-            for entry in group.entries:
-                entry.unused = finite and entry.unused
-                if not finite or entry.unused:
+            for position, entry in enumerate(group.entries):
+                checked = position not in deferred
+                if checked:
+                    entry.unused = finite and entry.unused
+                if checked and (not finite or entry.unused):
                     entry.compensated = self._compensate(entry, finite)
                     entry.indices = self._select_one(entry, step)
                     continue
@@ -74,9 +96,25 @@ class Selection:
                     out, residual = self.feedback.prepare(entry.key, grad)
                 else:
                     out, residual = torch.empty(grad.numel(), dtype=accumulation_dtype(grad), device=grad.device), None
+                flags: dict = {}
                 entry.indices = self.sparsifier.select_compensated(grad, residual, out, step=step,
-                                                                   tensor_id=entry.tensor_id)
+                                                                   tensor_id=entry.tensor_id, flags=flags)
                 entry.compensated = out
+                if checked:
+                    continue
+                if not flags:  # the kernel did not run on it (e.g. mostly zeros): check it as the pipeline would
+                    check_entries(group, only=frozenset((position,)))
+                    late_nonfinite = late_nonfinite or not group.finite
+                else:
+                    entry.unused = not flags["nonzero"]
+                    late_nonfinite = late_nonfinite or not flags["finite"]
+                if entry.unused and not late_nonfinite:  # nothing of it is sent; its residual stays whole
+                    entry.compensated = self._compensate(entry, True)
+                    entry.indices = self._select_one(entry, step)
+            if late_nonfinite:  # as if the check had come first: a non-finite rank selects nothing
+                group.finite = False
+                for entry in group.entries:
+                    entry.compensated, entry.indices, entry.unused = None, None, False
         self.stats.add("count_compensations", len(group.entries))
         self.stats.add("count_selections", len(group.entries))
 

@@ -75,7 +75,7 @@ class Sparsifier(Configurable, ABC):
         """:meth:`select` for a validated, non-empty ``flat``."""
 
     def select_compensated(self, grad: torch.Tensor, residual: "torch.Tensor | None", out: torch.Tensor, *,
-                           step: int = 0, tensor_id: int = 0) -> torch.Tensor:
+                           step: int = 0, tensor_id: int = 0, flags: "dict | None" = None) -> torch.Tensor:
         """``out = grad + residual`` (``out = grad`` when ``residual`` is None), then :meth:`select` on ``out``.
 
         A sparsifier may fuse the two (``topk`` does, on the CPU: one pass over memory instead of
@@ -87,6 +87,9 @@ class Sparsifier(Configurable, ABC):
             out: (numel,) float32/float64 buffer for the compensated gradient.
             step: as for :meth:`select`.
             tensor_id: as for :meth:`select`.
+            flags: a dict a fused implementation may fill with ``"finite"`` (every element of
+                ``out``) and ``"nonzero"`` (some element of ``grad``), computed on its way (the
+                pipeline's check then skips this tensor); this plain one leaves it empty.
 
         Returns:
             int64 indices as :meth:`select` returns them.

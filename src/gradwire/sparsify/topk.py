@@ -95,7 +95,7 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                                   k: int) -> torch.Tensor:
+                                   k: int, flags: Optional[dict] = None) -> torch.Tensor:
     """``out = grad + residual`` (``out = grad`` without a residual) and the top-k of ``|out|``.
 
     The same result as compensating, then :func:`largest_magnitudes`, with one pass over memory
@@ -106,6 +106,9 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
         residual: (n,) of ``out``'s dtype, or None.
         out: (n,) float32/float64 buffer that receives the compensated gradient.
         k: ``1 <= k <= n``.
+        flags: a dict that receives ``"finite"`` (every element of ``out``) and ``"nonzero"``
+            (some element of ``grad``) when the native pass ran (:mod:`gradwire.kernels`), which
+            computes them on the way; left as it is otherwise.
 
     Returns:
         Ascending int64 positions of the ``k`` largest ``|out|``, on ``out``'s device.
@@ -126,7 +129,7 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
         if state["compensated"]:  # a rescan at a lower threshold reads the compensated tensor
             return _scan(out, threshold, capacity)
         state["compensated"] = True
-        return _compensate_and_scan(grad, residual, out, threshold, capacity)
+        return _compensate_and_scan(grad, residual, out, threshold, capacity, flags)
 
     found = _scan_from_sample(sample, numel, k, scan)
     if not state["compensated"]:
@@ -180,14 +183,14 @@ def _scan(flat: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:
     values = flat.detach().numpy() if flat.device.type == "cpu" and flat.dtype in NUMPY_DTYPES else None
     if values is not None and values.ndim == 1 and kernels.usable(values):
         limit = NUMPY_DTYPES[flat.dtype](representable_at_least(threshold, flat.dtype))
-        found = kernels.scan(values, limit, capacity)
+        found = kernels.scan(values, limit, capacity).positions
         if found is not None:
             return torch.from_numpy(found)
     return indices_at_or_above(flat, threshold)
 
 
 def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                         threshold: float, capacity: int) -> torch.Tensor:
+                         threshold: float, capacity: int, flags: Optional[dict] = None) -> torch.Tensor:
     """``out = grad + residual`` and the ascending int64 positions where ``|out| >= threshold``:
     one native pass (:mod:`gradwire.kernels`), else chunk by chunk, each chunk scanned while it
     is in cache."""
@@ -199,9 +202,11 @@ def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], o
         sources = (flat.detach().numpy(), None if residual is None else residual.detach().numpy())
         if kernels.usable(compensated, *sources):
             found = kernels.compensate_and_scan(sources[0], sources[1], compensated, limit, capacity)
-            if found is None:  # more candidates than room: out is written in full, scan it
+            if flags is not None:
+                flags.update(finite=found.finite, nonzero=found.nonzero)
+            if found.positions is None:  # more candidates than room: out is written in full, scan it
                 return indices_at_or_above(out, threshold)
-            return torch.from_numpy(found)
+            return torch.from_numpy(found.positions)
     numel = out.numel()
     chunk = min(numel, FUSED_CHUNK_NUMEL)
     magnitudes, mask = chunk_buffers(chunk, np.dtype(numpy_dtype))
@@ -240,9 +245,17 @@ class TopK(BudgetSparsifier):
     def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
         return largest_magnitudes(flat, k)
 
+    def fused_check_applies(self, grad: torch.Tensor) -> bool:
+        """Whether :meth:`select_compensated` on ``grad`` runs the native pass, which fills
+        ``flags`` (large float32/float64 CPU tensors, with :mod:`gradwire.kernels` available)."""
+        numel = grad.numel()
+        k = self.target_k(numel) if numel else 0
+        return (kernels.available() and grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.float64)
+                and grad.is_contiguous() and numel >= SCAN_MIN_NUMEL and 0 < k <= SCAN_MAX_DENSITY * numel)
+
     def select_compensated(self, grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, *,
-                           step: int = 0, tensor_id: int = 0) -> torch.Tensor:
+                           step: int = 0, tensor_id: int = 0, flags: Optional[dict] = None) -> torch.Tensor:
         k = self.target_k(out.numel())
         if out.numel() == 0 or k >= out.numel():
             return super().select_compensated(grad, residual, out, step=step, tensor_id=tensor_id)
-        return compensated_largest_magnitudes(grad, residual, out, k)
+        return compensated_largest_magnitudes(grad, residual, out, k, flags)
