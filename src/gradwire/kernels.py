@@ -53,7 +53,7 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
     # the floor torch.add is 3.0 ms on that run).
     @numba.njit(**options)
     def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
-                        positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
+                        positions: np.ndarray, zero_grad: bool) -> tuple:  # pragma: no cover - compiled
         found = 0
         capacity = positions.size
         n = out.size
@@ -69,6 +69,9 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                 hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
                 finite &= abs(x) < np.inf
                 nonzero |= g != 0
+            if zero_grad:  # the block is in cache: zeroing it here saves the output's zero-fill pass
+                for j in range(block):
+                    grad[start + j] = 0.0
             if hit:
                 if found + block <= capacity:  # room for the whole block: store without branching
                     for j in range(block):
@@ -86,11 +89,40 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
             out[i] = x
             finite &= abs(x) < np.inf
             nonzero |= g != 0
+            if zero_grad:
+                grad[i] = 0.0
             if abs(x) >= limit:
                 if found < capacity:
                     positions[found] = i
                 found += 1
         return found, finite, nonzero
+
+    @numba.njit(**options)
+    def compensate_check(grad: np.ndarray, residual: np.ndarray, out: np.ndarray,
+                         zero_grad: bool) -> tuple:  # pragma: no cover - compiled
+        finite = True
+        nonzero = False
+        n = out.size
+        full = n - n % block
+        for start in range(0, full, block):
+            for j in range(block):
+                g = grad[start + j]
+                x = g + residual[start + j]
+                out[start + j] = x
+                finite &= abs(x) < np.inf
+                nonzero |= g != 0
+            if zero_grad:
+                for j in range(block):
+                    grad[start + j] = 0.0
+        for i in range(full, n):
+            g = grad[i]
+            x = g + residual[i]
+            out[i] = x
+            finite &= abs(x) < np.inf
+            nonzero |= g != 0
+            if zero_grad:
+                grad[i] = 0.0
+        return finite, nonzero
 
     @numba.njit(**options)
     def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
@@ -128,7 +160,7 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                 found += 1
         return found, finite, nonzero
 
-    _compiled = {"compensate_scan": compensate_scan, "scan": scan}
+    _compiled = {"compensate_scan": compensate_scan, "scan": scan, "compensate_check": compensate_check}
     return _compiled
 
 
@@ -181,7 +213,7 @@ def _require() -> dict[str, Callable[..., Any]]:
 
 
 def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, limit: Any,
-                        capacity: int) -> Scan:
+                        capacity: int, *, zero_grad: bool = False) -> Scan:
     """``out = grad + residual`` (``out = grad`` when ``residual`` is None) and the ascending
     positions where ``|out| >= limit``, in one pass; with the flags the pipeline's check needs
     (``finite``: every ``out`` element; ``nonzero``: some ``grad`` element), so that pass can
@@ -193,6 +225,8 @@ def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: n
         out: (n,) receives the sum, whatever the return value.
         limit: the threshold as a scalar of the arrays' dtype (the caller rounds it).
         capacity: how many positions to make room for (a guess from a sample).
+        zero_grad: also set ``grad`` to zeros on the way (it is read first): the caller's output
+            buffer, which would be zero-filled next, is ``grad``'s storage.
 
     Returns:
         A :class:`Scan`; ``positions`` None when more than ``capacity`` passed (``out`` is written
@@ -204,7 +238,34 @@ def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: n
     kernels = _require()
     if residual is None:  # nothing to add: copy, then scan the copy (out = grad: the same flags)
         np.copyto(out, grad)
+        if zero_grad:
+            grad.fill(0)
         return scan(out, limit, capacity)
     positions = np.empty(max(1, capacity), dtype=np.int64)
-    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions)
+    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions, zero_grad)
     return Scan(None if found > positions.size else positions[:found], bool(finite), bool(nonzero))
+
+
+def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, *,
+                         zero_grad: bool = False) -> tuple[bool, bool]:
+    """``out = grad + residual`` (``out = grad`` when ``residual`` is None) in one pass, with the
+    pipeline's check on the way: (every ``out`` element finite, some ``grad`` element not zero).
+
+    Args:
+        grad: (n,) contiguous float32/float64; ``residual`` and ``out`` the same dtype and size.
+        residual: (n,) or None.
+        out: (n,) receives the sum.
+        zero_grad: also set ``grad`` to zeros afterwards (see :func:`compensate_and_scan`).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    kernels = _require()
+    if residual is None:
+        np.copyto(out, grad)
+        finite, nonzero = bool(np.isfinite(out).all()), bool(out.any())
+        if zero_grad:
+            grad.fill(0)
+        return finite, nonzero
+    finite, nonzero = kernels["compensate_check"](grad, residual, out, zero_grad)
+    return bool(finite), bool(nonzero)

@@ -68,6 +68,9 @@ class BufferTarget:
 
     def __init__(self, buffers: Optional[list[torch.Tensor]] = None) -> None:
         self.buffers: list[torch.Tensor] = [] if buffers is None else buffers
+        #: the selection zeroed the (single) buffer on its way, after reading every gradient out of
+        #: it (:class:`~.selection.Selection`): :meth:`output` then skips its zero-fill
+        self.zeroed = False
 
     @property
     def numel(self) -> int:
@@ -96,7 +99,9 @@ class BufferTarget:
         one of that dtype (compensation already copied every gradient out), so the result needs no
         further copy; else a new one."""
         if len(self.buffers) == 1 and self.buffers[0].dtype == dtype and self.buffers[0].is_contiguous():
-            return self.buffers[0].view(-1).zero_()
+            flat = self.buffers[0].view(-1)
+            zeroed, self.zeroed = self.zeroed, False
+            return flat if zeroed else flat.zero_()
         return torch.zeros(self.numel, dtype=dtype, device=self.device)
 
     def write(self, result: torch.Tensor) -> None:

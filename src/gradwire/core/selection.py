@@ -10,7 +10,7 @@ from .. import kernels
 from ..sparsify import select_global
 from ..sparsify.base import Sparsifier
 from .feedback import ErrorFeedback, accumulation_dtype
-from .group import Entry, Group, check_entries
+from .group import BufferTarget, Entry, Group, check_entries
 from .stats import ExchangeStats
 
 
@@ -54,12 +54,11 @@ class Selection:
 
     def deferrable(self, group: Group) -> "frozenset[int]":
         """Positions of the entries whose check :meth:`run` can do on its way (see the class
-        docstring); empty unless the selection is fused and per rank and the kernels are here."""
-        fuses = getattr(self.sparsifier, "fused_check_applies", None)
-        if fuses is None or self.scope != "layer" or type(self.feedback) not in (ErrorFeedback, type(None)) \
-                or self.sparsifier.shared_support or not kernels.available():
+        docstring); empty unless the selection is fused and the kernels are here."""
+        if self.scope != "layer" or type(self.feedback) not in (ErrorFeedback, type(None)) or not kernels.available():
             return frozenset()
-        return frozenset(position for position, entry in enumerate(group.entries) if fuses(entry.grad))
+        return frozenset(position for position, entry in enumerate(group.entries)
+                         if self.sparsifier.fused_check_applies(entry.grad))
 
     def run(self, group: Group, step: int, *, deferred: "frozenset[int]" = frozenset()) -> None:
         """Steps 1-3: compensate, then select (fused per entry where the sparsifier can, see
@@ -82,6 +81,10 @@ class Selection:
     def _run_fused(self, group: Group, step: int, deferred: "frozenset[int]" = frozenset()) -> None:
         finite = group.finite
         late_nonfinite = False
+        # with a deferred check the bucket's own buffer can be zeroed as each gradient is read out
+        # of it (the output the strategy sums into is that buffer: one zero-fill pass fewer)
+        zero = bool(deferred) and _zeroable(group)
+        zeroed: set[int] = set()
         with self.stats.timer("select"):
             for position, entry in enumerate(group.entries):
                 checked = position not in deferred
@@ -98,11 +101,14 @@ class Selection:
                     out, residual = torch.empty(grad.numel(), dtype=accumulation_dtype(grad), device=grad.device), None
                 flags: dict = {}
                 entry.indices = self.sparsifier.select_compensated(grad, residual, out, step=step,
-                                                                   tensor_id=entry.tensor_id, flags=flags)
+                                                                   tensor_id=entry.tensor_id, flags=flags,
+                                                                   zero_grad=zero and not checked)
                 entry.compensated = out
+                if flags.get("zeroed"):
+                    zeroed.add(position)
                 if checked:
                     continue
-                if not flags:  # the kernel did not run on it (e.g. mostly zeros): check it as the pipeline would
+                if "finite" not in flags:  # the kernel did not run on it (e.g. mostly zeros): check it here
                     check_entries(group, only=frozenset((position,)))
                     late_nonfinite = late_nonfinite or not group.finite
                 else:
@@ -111,12 +117,29 @@ class Selection:
                 if entry.unused and not late_nonfinite:  # nothing of it is sent; its residual stays whole
                     entry.compensated = self._compensate(entry, True)
                     entry.indices = self._select_one(entry, step)
-            if late_nonfinite:  # as if the check had come first: a non-finite rank selects nothing
-                group.finite = False
-                for entry in group.entries:
-                    entry.compensated, entry.indices, entry.unused = None, None, False
+            if late_nonfinite:  # as if the check had come first
+                self._as_nonfinite(group, step)
+            if zero:  # the rest of the buffer (small tensors, any the kernel skipped), now read too
+                for position, entry in enumerate(group.entries):
+                    if position not in zeroed:
+                        entry.grad.zero_()
+                assert isinstance(group.target, BufferTarget)
+                group.target.zeroed = True
         self.stats.add("count_compensations", len(group.entries))
         self.stats.add("count_selections", len(group.entries))
+
+    def _as_nonfinite(self, group: Group, step: int) -> None:
+        """A deferred check found NaN/Inf: what :meth:`run` would have done had it known first
+        (the pipeline's plan selects nothing for a per-rank support; a shared support selects
+        the same value-independent positions on zeros)."""
+        group.finite = False
+        for entry in group.entries:
+            entry.unused = False
+            if self.sparsifier.shared_support:
+                entry.compensated = self._compensate(entry, False)
+                entry.indices = self._select_one(entry, step)
+            else:
+                entry.compensated, entry.indices = None, None
 
     def _compensate(self, entry: Entry, finite: bool) -> torch.Tensor:
         if not finite or entry.unused:  # nothing of it is sent; its residual stays as it is
@@ -129,3 +152,16 @@ class Selection:
         if entry.unused and not self.sparsifier.shared_support:
             return torch.zeros(0, dtype=torch.int64, device=entry.compensated.device)
         return self.sparsifier.select(entry.compensated, step=step, tensor_id=entry.tensor_id)
+
+
+def _zeroable(group: Group) -> bool:
+    """Whether the group's entries tile one flat buffer the strategy will zero and sum into."""
+    target = group.target
+    if not isinstance(target, BufferTarget) or len(target.buffers) != 1 or not target.buffers[0].is_contiguous():
+        return False
+    offset = 0
+    for entry in group.entries:
+        if entry.offset != offset:
+            return False
+        offset += entry.numel
+    return offset == target.numel

@@ -27,8 +27,13 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from .. import kernels
 from ..configurable import Configurable, instantiate
 from ..errors import is_integer, is_real
+
+#: Below this many elements a tensor's check stays in the pipeline's fused pass over many tensors
+#: (one ``torch._foreach_norm``) rather than in its own compensation.
+FUSED_CHECK_MIN_NUMEL = 1 << 15
 
 
 class Sparsifier(Configurable, ABC):
@@ -74,8 +79,16 @@ class Sparsifier(Configurable, ABC):
     def _select(self, flat: torch.Tensor, *, step: int, tensor_id: int) -> torch.Tensor:
         """:meth:`select` for a validated, non-empty ``flat``."""
 
+    def fused_check_applies(self, grad: torch.Tensor) -> bool:
+        """Whether :meth:`select_compensated` on ``grad`` fills ``flags`` (and honours
+        ``zero_grad``): the native kernels are here and ``grad`` is a large float32/float64 CPU
+        tensor (below ~32k elements the pipeline's one fused check over many tensors is cheaper)."""
+        return (kernels.available() and grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.float64)
+                and grad.is_contiguous() and grad.numel() >= FUSED_CHECK_MIN_NUMEL)
+
     def select_compensated(self, grad: torch.Tensor, residual: "torch.Tensor | None", out: torch.Tensor, *,
-                           step: int = 0, tensor_id: int = 0, flags: "dict | None" = None) -> torch.Tensor:
+                           step: int = 0, tensor_id: int = 0, flags: "dict | None" = None,
+                           zero_grad: bool = False) -> torch.Tensor:
         """``out = grad + residual`` (``out = grad`` when ``residual`` is None), then :meth:`select` on ``out``.
 
         A sparsifier may fuse the two (``topk`` does, on the CPU: one pass over memory instead of
@@ -87,13 +100,24 @@ class Sparsifier(Configurable, ABC):
             out: (numel,) float32/float64 buffer for the compensated gradient.
             step: as for :meth:`select`.
             tensor_id: as for :meth:`select`.
-            flags: a dict a fused implementation may fill with ``"finite"`` (every element of
-                ``out``) and ``"nonzero"`` (some element of ``grad``), computed on its way (the
-                pipeline's check then skips this tensor); this plain one leaves it empty.
+            flags: a dict that receives ``"finite"`` (every element of ``out``), ``"nonzero"``
+                (some element of ``grad``) and ``"zeroed"`` when the compensation ran natively
+                (:meth:`fused_check_applies`), which computes them on its way (the pipeline's
+                check then skips this tensor); left empty otherwise.
+            zero_grad: with ``flags``, also zero ``grad`` once it is read (the caller's output
+                buffer is its storage, which would be zero-filled next); ``flags["zeroed"]`` says
+                whether it was.
 
         Returns:
             int64 indices as :meth:`select` returns them.
         """
+        if flags is not None and self.fused_check_applies(grad) and out.dtype == grad.dtype and out.is_contiguous() \
+                and (residual is None or (residual.dtype == grad.dtype and residual.is_contiguous())):
+            finite, nonzero = kernels.compensate_and_check(
+                grad.detach().reshape(-1).numpy(), None if residual is None else residual.detach().numpy(),
+                out.numpy(), zero_grad=zero_grad)
+            flags.update(finite=finite, nonzero=nonzero, zeroed=zero_grad)
+            return self.select(out, step=step, tensor_id=tensor_id)
         if residual is None:
             out.copy_(grad.reshape(-1))
         else:

@@ -95,7 +95,7 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                                   k: int, flags: Optional[dict] = None) -> torch.Tensor:
+                                   k: int, flags: Optional[dict] = None, zero_grad: bool = False) -> torch.Tensor:
     """``out = grad + residual`` (``out = grad`` without a residual) and the top-k of ``|out|``.
 
     The same result as compensating, then :func:`largest_magnitudes`, with one pass over memory
@@ -108,7 +108,8 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
         k: ``1 <= k <= n``.
         flags: a dict that receives ``"finite"`` (every element of ``out``) and ``"nonzero"``
             (some element of ``grad``) when the native pass ran (:mod:`gradwire.kernels`), which
-            computes them on the way; left as it is otherwise.
+            computes them on the way, and ``"zeroed"``; left as it is otherwise.
+        zero_grad: let the native pass zero ``grad`` once read (``flags["zeroed"]`` says if it did).
 
     Returns:
         Ascending int64 positions of the ``k`` largest ``|out|``, on ``out``'s device.
@@ -129,7 +130,7 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
         if state["compensated"]:  # a rescan at a lower threshold reads the compensated tensor
             return _scan(out, threshold, capacity)
         state["compensated"] = True
-        return _compensate_and_scan(grad, residual, out, threshold, capacity, flags)
+        return _compensate_and_scan(grad, residual, out, threshold, capacity, flags, zero_grad)
 
     found = _scan_from_sample(sample, numel, k, scan)
     if not state["compensated"]:
@@ -190,7 +191,8 @@ def _scan(flat: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:
 
 
 def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                         threshold: float, capacity: int, flags: Optional[dict] = None) -> torch.Tensor:
+                         threshold: float, capacity: int, flags: Optional[dict] = None,
+                         zero_grad: bool = False) -> torch.Tensor:
     """``out = grad + residual`` and the ascending int64 positions where ``|out| >= threshold``:
     one native pass (:mod:`gradwire.kernels`), else chunk by chunk, each chunk scanned while it
     is in cache."""
@@ -201,9 +203,10 @@ def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], o
     if grad.dtype == out.dtype and flat.is_contiguous():
         sources = (flat.detach().numpy(), None if residual is None else residual.detach().numpy())
         if kernels.usable(compensated, *sources):
-            found = kernels.compensate_and_scan(sources[0], sources[1], compensated, limit, capacity)
+            zero = zero_grad and flags is not None
+            found = kernels.compensate_and_scan(sources[0], sources[1], compensated, limit, capacity, zero_grad=zero)
             if flags is not None:
-                flags.update(finite=found.finite, nonzero=found.nonzero)
+                flags.update(finite=found.finite, nonzero=found.nonzero, zeroed=zero)
             if found.positions is None:  # more candidates than room: out is written in full, scan it
                 return indices_at_or_above(out, threshold)
             return torch.from_numpy(found.positions)
@@ -254,8 +257,10 @@ class TopK(BudgetSparsifier):
                 and grad.is_contiguous() and numel >= SCAN_MIN_NUMEL and 0 < k <= SCAN_MAX_DENSITY * numel)
 
     def select_compensated(self, grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, *,
-                           step: int = 0, tensor_id: int = 0, flags: Optional[dict] = None) -> torch.Tensor:
+                           step: int = 0, tensor_id: int = 0, flags: Optional[dict] = None,
+                           zero_grad: bool = False) -> torch.Tensor:
         k = self.target_k(out.numel())
         if out.numel() == 0 or k >= out.numel():
-            return super().select_compensated(grad, residual, out, step=step, tensor_id=tensor_id)
-        return compensated_largest_magnitudes(grad, residual, out, k, flags)
+            return super().select_compensated(grad, residual, out, step=step, tensor_id=tensor_id, flags=flags,
+                                              zero_grad=zero_grad)
+        return compensated_largest_magnitudes(grad, residual, out, k, flags, zero_grad)
