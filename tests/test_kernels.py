@@ -177,3 +177,15 @@ def test_the_deferred_check_finds_what_the_pipelines_check_finds(compressor: str
         assert zero["action"] == "apply" and nan["action"] == "raise" and nan["error"] == "NonFiniteGradientError"
     assert native[1][1]["unused"] == [False, True, False] and native[1][1]["kept_whole"]
     assert native[0][1]["unused"] == [False, False, False]
+
+
+def test_compensate_and_check_sums_flags_and_zeroes() -> None:
+    grad = np.arange(1, 70, dtype=np.float32)
+    residual = np.full(69, 0.5, dtype=np.float32)
+    out = np.empty(69, dtype=np.float32)
+    assert kernels.compensate_and_check(grad, residual, out, zero_grad=True) == (True, True)
+    np.testing.assert_array_equal(out, np.arange(1, 70, dtype=np.float32) + 0.5)
+    assert not grad.any()  # zeroed once read, the tail included
+    assert kernels.compensate_and_check(grad, residual, out) == (True, False)  # an all-zero gradient
+    grad[68] = np.nan
+    assert kernels.compensate_and_check(grad, residual, out) == (False, True)  # NaN is not zero

@@ -52,10 +52,26 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
     # against 5.0 ms for the plain loop with a branch per element (11.2M float32, one thread;
     # the floor torch.add is 3.0 ms on that run).
     @numba.njit(**options)
+    def positions_of(values: np.ndarray, begin: int, end: int, limit: float, positions: np.ndarray,
+                     found: int) -> int:  # pragma: no cover - compiled
+        """Append the positions in [begin, end) where |values| >= limit; the new count (counting
+        on past the room, which then stays unwritten)."""
+        if found + (end - begin) <= positions.size:  # room for all: store without branching
+            for i in range(begin, end):
+                positions[found] = i
+                found += abs(values[i]) >= limit
+            return found
+        for i in range(begin, end):
+            if abs(values[i]) >= limit:
+                if found < positions.size:
+                    positions[found] = i
+                found += 1
+        return found
+
+    @numba.njit(**options)
     def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
                         positions: np.ndarray, zero_grad: bool) -> tuple:  # pragma: no cover - compiled
         found = 0
-        capacity = positions.size
         n = out.size
         full = n - n % block
         finite = True  # every x = grad + residual finite (a NaN/Inf gradient, or an overflow, makes it False)
@@ -73,16 +89,7 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                 for j in range(block):
                     grad[start + j] = 0.0
             if hit:
-                if found + block <= capacity:  # room for the whole block: store without branching
-                    for j in range(block):
-                        positions[found] = start + j
-                        found += abs(out[start + j]) >= limit
-                else:
-                    for j in range(block):
-                        if abs(out[start + j]) >= limit:
-                            if found < capacity:
-                                positions[found] = start + j
-                            found += 1
+                found = positions_of(out, start, start + block, limit, positions, found)
         for i in range(full, n):
             g = grad[i]
             x = g + residual[i]
@@ -91,43 +98,11 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
             nonzero |= g != 0
             if zero_grad:
                 grad[i] = 0.0
-            if abs(x) >= limit:
-                if found < capacity:
-                    positions[found] = i
-                found += 1
-        return found, finite, nonzero
-
-    @numba.njit(**options)
-    def compensate_check(grad: np.ndarray, residual: np.ndarray, out: np.ndarray,
-                         zero_grad: bool) -> tuple:  # pragma: no cover - compiled
-        finite = True
-        nonzero = False
-        n = out.size
-        full = n - n % block
-        for start in range(0, full, block):
-            for j in range(block):
-                g = grad[start + j]
-                x = g + residual[start + j]
-                out[start + j] = x
-                finite &= abs(x) < np.inf
-                nonzero |= g != 0
-            if zero_grad:
-                for j in range(block):
-                    grad[start + j] = 0.0
-        for i in range(full, n):
-            g = grad[i]
-            x = g + residual[i]
-            out[i] = x
-            finite &= abs(x) < np.inf
-            nonzero |= g != 0
-            if zero_grad:
-                grad[i] = 0.0
-        return finite, nonzero
+        return positions_of(out, full, n, limit, positions, found), finite, nonzero
 
     @numba.njit(**options)
     def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
         found = 0
-        capacity = positions.size
         n = values.size
         full = n - n % block
         finite = True
@@ -140,27 +115,14 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                 finite &= abs(v) < np.inf
                 nonzero |= v != 0
             if hit:
-                if found + block <= capacity:
-                    for j in range(block):
-                        positions[found] = start + j
-                        found += abs(values[start + j]) >= limit
-                else:
-                    for j in range(block):
-                        if abs(values[start + j]) >= limit:
-                            if found < capacity:
-                                positions[found] = start + j
-                            found += 1
+                found = positions_of(values, start, start + block, limit, positions, found)
         for i in range(full, n):
             v = values[i]
             finite &= abs(v) < np.inf
             nonzero |= v != 0
-            if abs(v) >= limit:
-                if found < capacity:
-                    positions[found] = i
-                found += 1
-        return found, finite, nonzero
+        return positions_of(values, full, n, limit, positions, found), finite, nonzero
 
-    _compiled = {"compensate_scan": compensate_scan, "scan": scan, "compensate_check": compensate_check}
+    _compiled = {"compensate_scan": compensate_scan, "scan": scan}
     return _compiled
 
 
@@ -267,5 +229,7 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
         if zero_grad:
             grad.fill(0)
         return finite, nonzero
-    finite, nonzero = kernels["compensate_check"](grad, residual, out, zero_grad)
+    # the scan with an infinite limit and no room for positions: only the flags are wanted
+    _, finite, nonzero = kernels["compensate_scan"](grad, residual, out, out.dtype.type(np.inf),
+                                                    np.empty(0, dtype=np.int64), zero_grad)
     return bool(finite), bool(nonzero)
