@@ -70,7 +70,8 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
 
     @numba.njit(**options)
     def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
-                        positions: np.ndarray, zero_grad: bool) -> tuple:  # pragma: no cover - compiled
+                        positions: np.ndarray, zero_grad: bool, find: bool) -> tuple:  # pragma: no cover - compiled
+        # find=False: the flags only (a loop-invariant test, which LLVM hoists out of the loop)
         found = 0
         n = out.size
         full = n - n % block
@@ -82,7 +83,8 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
                 g = grad[start + j]
                 x = g + residual[start + j]
                 out[start + j] = x
-                hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
+                if find:
+                    hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
                 finite &= abs(x) < np.inf
                 nonzero |= g != 0
             if zero_grad:  # the block is in cache: zeroing it here saves the output's zero-fill pass
@@ -98,7 +100,9 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
             nonzero |= g != 0
             if zero_grad:
                 grad[i] = 0.0
-        return positions_of(out, full, n, limit, positions, found), finite, nonzero
+        if find:
+            found = positions_of(out, full, n, limit, positions, found)
+        return found, finite, nonzero
 
     @numba.njit(**options)
     def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
@@ -204,7 +208,7 @@ def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: n
             grad.fill(0)
         return scan(out, limit, capacity)
     positions = np.empty(max(1, capacity), dtype=np.int64)
-    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions, zero_grad)
+    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions, zero_grad, True)
     return Scan(None if found > positions.size else positions[:found], bool(finite), bool(nonzero))
 
 
@@ -229,7 +233,7 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
         if zero_grad:
             grad.fill(0)
         return finite, nonzero
-    # the scan with an infinite limit and no room for positions: only the flags are wanted
+    # the same pass without looking for positions: only the flags are wanted
     _, finite, nonzero = kernels["compensate_scan"](grad, residual, out, out.dtype.type(np.inf),
-                                                    np.empty(0, dtype=np.int64), zero_grad)
+                                                    np.empty(0, dtype=np.int64), zero_grad, False)
     return bool(finite), bool(nonzero)
