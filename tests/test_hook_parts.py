@@ -165,3 +165,22 @@ def test_unused_parameters_keep_their_whole_residual() -> None:
     for result in run_workers(worker_unused, 2, timeout=90):
         assert any(value != 0 for value in result["owed_before"])  # something was owed after step 0
         assert result["owed_before"] == result["owed_after"]  # and none of it was lost
+
+
+def test_a_zeroed_buffer_target_skips_one_zero_fill_and_a_write_clears_the_flag() -> None:
+    """``BufferTarget.zeroed`` (the native selection zeroed the bucket as it read it) saves the
+    output's zero-fill once; anything written afterwards makes the next output zero-fill again."""
+    import torch
+
+    from gradwire.core.group import BufferTarget
+
+    buffer = torch.ones(8)
+    target = BufferTarget([buffer])
+    target.zeroed = True
+    out = target.output(torch.float32)
+    assert out.data_ptr() == buffer.data_ptr() and torch.equal(buffer, torch.ones(8))  # trusted, not refilled
+    assert not target.zeroed
+    target.zeroed = True
+    target.write(torch.full((8,), 2.0))
+    assert not target.zeroed
+    assert torch.equal(target.output(torch.float32), torch.zeros(8))

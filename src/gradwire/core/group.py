@@ -106,6 +106,7 @@ class BufferTarget:
 
     def write(self, result: torch.Tensor) -> None:
         """Copy the flat result into the buffers (unless it is the buffer already)."""
+        self.zeroed = False  # the flag says the buffer holds zeros: no longer, whichever path wrote
         position = 0
         for buffer in self.buffers:
             size = buffer.numel()

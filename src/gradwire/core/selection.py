@@ -27,12 +27,13 @@ class Selection:
     ``stats`` counts ``count_compensations`` and ``count_selections`` (entries), so a test can
     check that each entry is compensated and selected exactly once per round.
 
-    Where the native kernels take an entry (:mod:`gradwire.kernels`: top-k on a large CPU tensor),
-    its compensate-and-scan also tells whether the compensated gradient is finite and the gradient
-    not all zeros, so the pipeline's check (:func:`~.group.check_entries`, one more read of the
-    bucket) skips it (:meth:`deferrable`) and :meth:`run` completes it: an unused entry then selects
-    nothing and keeps its residual whole, and a non-finite one makes the whole group select nothing,
-    as if the check had come first.
+    Where the native kernels take an entry (:mod:`gradwire.kernels`: a large float CPU tensor),
+    its compensation also tells whether the compensated gradient is finite and the gradient not
+    all zeros, so the pipeline's check (:func:`~.group.check_entries`, one more read of the
+    bucket) skips it (:meth:`deferrable`) and :meth:`run` completes it, as if the check had come
+    first: an unused entry selects nothing and keeps its residual whole; NaN makes a per-rank
+    support select nothing and a shared one select its positions on zeros. It also zeroes the
+    bucket buffer on the way (``BufferTarget.zeroed``), which the strategy's output then is.
     """
 
     def __init__(self, sparsifier: Sparsifier, feedback: Optional[ErrorFeedback], scope: str,
