@@ -252,9 +252,9 @@ class TopK(BudgetSparsifier):
         """Whether :meth:`select_compensated` on ``grad`` runs the native pass, which fills
         ``flags`` (large float32/float64 CPU tensors, with :mod:`gradwire.kernels` available)."""
         numel = grad.numel()
-        k = self.target_k(numel) if numel else 0
-        return (kernels.available() and grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.float64)
-                and grad.is_contiguous() and numel >= SCAN_MIN_NUMEL and 0 < k <= SCAN_MAX_DENSITY * numel)
+        # the base conditions, and those of the sampled scan (compensated_largest_magnitudes)
+        return (super().fused_check_applies(grad) and numel >= SCAN_MIN_NUMEL
+                and 0 < self.target_k(numel) <= SCAN_MAX_DENSITY * numel)
 
     def select_compensated(self, grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, *,
                            step: int = 0, tensor_id: int = 0, flags: Optional[dict] = None,
