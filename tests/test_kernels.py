@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,3 +190,20 @@ def test_compensate_and_check_sums_flags_and_zeroes() -> None:
     assert kernels.compensate_and_check(grad, residual, out) == (True, False)  # an all-zero gradient
     grad[68] = np.nan
     assert kernels.compensate_and_check(grad, residual, out) == (False, True)  # NaN is not zero
+
+
+def test_a_second_process_loads_the_compiled_kernels_from_the_cache(tmp_path: Path) -> None:
+    # Closures missed numba's cache in every process (a compile and one more file each time).
+    script = ("import numpy as np; from gradwire import kernels; "
+              "g = np.ones(100, np.float32); r = np.zeros(100, np.float32); "
+              "kernels.compensate_and_scan(g, r, np.empty(100, np.float32), np.float32(0.5), 100)")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1", "GRADWIRE_NATIVE": "1"}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        runs.append((done.stdout + done.stderr, sorted(p.name for p in tmp_path.rglob("*.nbc"))))
+    (first_log, first_files), (second_log, second_files) = runs
+    assert first_files, "the first process wrote no cache"
+    assert second_files == first_files, "the second process compiled again"
+    assert "data loaded" in second_log and "data saved" not in second_log

@@ -9,8 +9,9 @@ compiled loop they are one read of each input and one write of ``x`` (about 1.4 
 numba is an optional dependency (``pip install gradwire[fast]``); without it, or with
 ``GRADWIRE_NATIVE=0`` in the environment, :func:`available` is False and callers keep their
 torch/numpy path, which gives the same results bit for bit (``tests/test_kernels.py``).
-Compilation happens once per process and dtype at the first call (well under a second; cached on
-disk beside this module when that is writable).
+The kernels (``gradwire/_native.py``) compile once per dtype and are cached on disk beside that
+module when it is writable (numba's ``__pycache__``; ``NUMBA_CACHE_DIR`` moves it); a process
+that finds the cache pays about 1 s for numba's start-up and the load at its first call.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
-#: elements per block of the kernels' vectorized loops (see _kernels)
-_BLOCK = 32
 _compiled: Optional[dict[str, Callable[..., Any]]] = None
 _tried = False
 
@@ -39,94 +38,10 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
     if os.environ.get("GRADWIRE_NATIVE", "1") == "0":
         return None
     try:
-        import numba
+        from . import _native  # imports numba
     except ImportError:  # the optional extra is not installed: callers keep the torch/numpy path
         return None
-
-    options = {"nogil": True, "boundscheck": False, "cache": True}
-    block = _BLOCK
-
-    # Each kernel walks blocks of 32: the block's arithmetic and its "any element at or above the
-    # limit?" test form a loop without branches that LLVM vectorizes; only a block with a hit
-    # (about a quarter of them at 1% density) is walked again, in L1, for its positions. 4.2 ms
-    # against 5.0 ms for the plain loop with a branch per element (11.2M float32, one thread;
-    # the floor torch.add is 3.0 ms on that run).
-    @numba.njit(**options)
-    def positions_of(values: np.ndarray, begin: int, end: int, limit: float, positions: np.ndarray,
-                     found: int) -> int:  # pragma: no cover - compiled
-        """Append the positions in [begin, end) where |values| >= limit; the new count (counting
-        on past the room, which then stays unwritten)."""
-        if found + (end - begin) <= positions.size:  # room for all: store without branching
-            for i in range(begin, end):
-                positions[found] = i
-                found += abs(values[i]) >= limit
-            return found
-        for i in range(begin, end):
-            if abs(values[i]) >= limit:
-                if found < positions.size:
-                    positions[found] = i
-                found += 1
-        return found
-
-    @numba.njit(**options)
-    def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
-                        positions: np.ndarray, zero_grad: bool, find: bool) -> tuple:  # pragma: no cover - compiled
-        # find=False: the flags only (a loop-invariant test, which LLVM hoists out of the loop)
-        found = 0
-        n = out.size
-        full = n - n % block
-        finite = True  # every x = grad + residual finite (a NaN/Inf gradient, or an overflow, makes it False)
-        nonzero = False  # some grad element is not zero (an all-zero gradient: a parameter unused this step)
-        for start in range(0, full, block):
-            hit = 0
-            for j in range(block):
-                g = grad[start + j]
-                x = g + residual[start + j]
-                out[start + j] = x
-                if find:
-                    hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
-                finite &= abs(x) < np.inf
-                nonzero |= g != 0
-            if zero_grad:  # the block is in cache: zeroing it here saves the output's zero-fill pass
-                for j in range(block):
-                    grad[start + j] = 0.0
-            if hit:
-                found = positions_of(out, start, start + block, limit, positions, found)
-        for i in range(full, n):
-            g = grad[i]
-            x = g + residual[i]
-            out[i] = x
-            finite &= abs(x) < np.inf
-            nonzero |= g != 0
-            if zero_grad:
-                grad[i] = 0.0
-        if find:
-            found = positions_of(out, full, n, limit, positions, found)
-        return found, finite, nonzero
-
-    @numba.njit(**options)
-    def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:  # pragma: no cover - compiled
-        found = 0
-        n = values.size
-        full = n - n % block
-        finite = True
-        nonzero = False
-        for start in range(0, full, block):
-            hit = 0
-            for j in range(block):
-                v = values[start + j]
-                hit |= abs(v) >= limit
-                finite &= abs(v) < np.inf
-                nonzero |= v != 0
-            if hit:
-                found = positions_of(values, start, start + block, limit, positions, found)
-        for i in range(full, n):
-            v = values[i]
-            finite &= abs(v) < np.inf
-            nonzero |= v != 0
-        return positions_of(values, full, n, limit, positions, found), finite, nonzero
-
-    _compiled = {"compensate_scan": compensate_scan, "scan": scan}
+    _compiled = {"compensate_scan": _native.compensate_scan, "scan": _native.scan}
     return _compiled
 
 
