@@ -11,31 +11,30 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
-#: elements per block of the vectorized loops (a constant: numba freezes module globals)
-BLOCK = 32
+#: elements per block of the vectorized loops: one bit each in a uint64 mask (a constant: numba
+#: freezes module globals)
+BLOCK = 64
 
 
-# Each kernel walks blocks of 32: the block's arithmetic and its "any element at or above the
-# limit?" test form a loop without branches that LLVM vectorizes; only a block with a hit
-# (about a quarter of them at 1% density) is walked again, in L1, for its positions. 4.2 ms
-# against 5.0 ms for the plain loop with a branch per element (11.2M float32, one thread;
-# the floor torch.add is 3.0 ms on that run).
+# Each kernel walks blocks of 64. The block's arithmetic and its "|x| >= limit" tests form a
+# loop without branches that LLVM vectorizes, the tests packed into one 64-bit mask; the
+# positions are then read off the mask's set bits (count trailing zeros, clear the lowest), so
+# the work after the pass is one step per candidate, not per element of a block that holds one.
+# ResNet-18's 11.2M float32 gradients at 1.5% candidates, one thread: 3.8 ms, against 6.4 ms for
+# blocks of 32 walked again element by element, 3.6 ms for the pass without the tests and
+# 3.4-3.8 ms for torch.add (scripts/kernel_bench.py).
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def positions_of(values: np.ndarray, begin: int, end: int, limit: float, positions: np.ndarray,
-                 found: int) -> int:
-    """Append the positions in [begin, end) where |values| >= limit; the new count (counting
-    on past the room, which then stays unwritten)."""
-    if found + (end - begin) <= positions.size:  # room for all: store without branching
-        for i in range(begin, end):
-            positions[found] = i
-            found += abs(values[i]) >= limit
-        return found
-    for i in range(begin, end):
-        if abs(values[i]) >= limit:
-            if found < positions.size:
-                positions[found] = i
-            found += 1
+def append_positions(bits: np.uint64, start: int, positions: np.ndarray, found: int) -> int:
+    """Append ``start + j`` for every set bit j of ``bits``, ascending; the new count (counting on
+    past the room, whose positions are then not written)."""
+    room = positions.size
+    while bits:
+        if found < room:
+            positions[found] = start + trailing_zeros(bits)
+        found += 1
+        bits &= bits - np.uint64(1)
     return found
 
 
@@ -49,20 +48,19 @@ def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, lim
     finite = True  # every x = grad + residual finite (a NaN/Inf gradient, or an overflow, makes it False)
     nonzero = False  # some grad element is not zero (an all-zero gradient: a parameter unused this step)
     for start in range(0, full, BLOCK):
-        hit = 0
+        bits = np.uint64(0)
         for j in range(BLOCK):
             g = grad[start + j]
             x = g + residual[start + j]
             out[start + j] = x
             if find:
-                hit |= abs(x) >= limit  # False for NaN, as numpy's greater_equal
+                bits |= np.uint64(abs(x) >= limit) << np.uint64(j)  # False for NaN, as numpy's greater_equal
             finite &= abs(x) < np.inf
             nonzero |= g != 0
         if zero_grad:  # the block is in cache: zeroing it here saves the output's zero-fill pass
             for j in range(BLOCK):
                 grad[start + j] = 0.0
-        if hit:
-            found = positions_of(out, start, start + BLOCK, limit, positions, found)
+        found = append_positions(bits, start, positions, found)
     for i in range(full, n):
         g = grad[i]
         x = g + residual[i]
@@ -71,9 +69,10 @@ def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, lim
         nonzero |= g != 0
         if zero_grad:
             grad[i] = 0.0
-    if find:
-        found = positions_of(out, full, n, limit, positions, found)
+        if find and abs(x) >= limit:
+            found = append_positions(np.uint64(1), i, positions, found)
     return found, finite, nonzero
+
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:
@@ -83,16 +82,17 @@ def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:
     finite = True
     nonzero = False
     for start in range(0, full, BLOCK):
-        hit = 0
+        bits = np.uint64(0)
         for j in range(BLOCK):
             v = values[start + j]
-            hit |= abs(v) >= limit
+            bits |= np.uint64(abs(v) >= limit) << np.uint64(j)
             finite &= abs(v) < np.inf
             nonzero |= v != 0
-        if hit:
-            found = positions_of(values, start, start + BLOCK, limit, positions, found)
+        found = append_positions(bits, start, positions, found)
     for i in range(full, n):
         v = values[i]
         finite &= abs(v) < np.inf
         nonzero |= v != 0
-    return positions_of(values, full, n, limit, positions, found), finite, nonzero
+        if abs(v) >= limit:
+            found = append_positions(np.uint64(1), i, positions, found)
+    return found, finite, nonzero
