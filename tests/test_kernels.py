@@ -207,3 +207,28 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_cache(tmp_path: Pa
     assert first_files, "the first process wrote no cache"
     assert second_files == first_files, "the second process compiled again"
     assert "data loaded" in second_log and "data saved" not in second_log
+
+
+def test_unary_quotients_equal_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwire.codecs import bits
+    from gradwire.errors import DecodeError
+
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        size = int(rng.integers(1, 70))  # below, at and past whole 8-byte words
+        stream = rng.integers(0, 256, size, dtype=np.uint8)
+        stream[rng.random(size) < 0.6] = 0  # long runs of zeros: quotients across words
+        count = int(rng.integers(1, 2 * size))
+        with monkeypatch.context() as patched:
+            patched.setattr(kernels, "available", lambda: False)
+            try:
+                expected = bits.unpack_unary(stream.tobytes(), count)
+            except DecodeError:
+                expected = None
+        try:
+            native = bits.unpack_unary(stream.tobytes(), count)
+        except DecodeError:
+            native = None
+        assert (native is None) == (expected is None), trial
+        if native is not None:
+            np.testing.assert_array_equal(native, expected)

@@ -96,3 +96,36 @@ def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:
         if abs(v) >= limit:
             found = append_positions(np.uint64(1), i, positions, found)
     return found, finite, nonzero
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def unary_quotients(words: np.ndarray, tail: np.ndarray, quotients: np.ndarray) -> int:
+    """The unary codes of a little-endian bit stream (``words``: its whole 8-byte words,
+    ``tail``: the bytes after them): ``quotients[i]`` = the zeros before the i-th one bit; stops
+    once ``quotients`` is full. Returns how many were found. Work: one step per word and per
+    one bit found, so bounded by the stream's size."""
+    count = quotients.size
+    found = 0
+    last = -1
+    for w in range(words.size):
+        bits = words[w]
+        while bits:
+            bit = w * 64 + trailing_zeros(bits)
+            quotients[found] = bit - last - 1
+            last = bit
+            found += 1
+            if found == count:
+                return found
+            bits &= bits - np.uint64(1)
+    base = words.size * 64
+    for b in range(tail.size):
+        bits = np.uint64(tail[b])
+        while bits:
+            bit = base + b * 8 + trailing_zeros(bits)
+            quotients[found] = bit - last - 1
+            last = bit
+            found += 1
+            if found == count:
+                return found
+            bits &= bits - np.uint64(1)
+    return found

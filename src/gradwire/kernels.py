@@ -41,7 +41,8 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
         from . import _native  # imports numba
     except ImportError:  # the optional extra is not installed: callers keep the torch/numpy path
         return None
-    _compiled = {"compensate_scan": _native.compensate_scan, "scan": _native.scan}
+    _compiled = {"compensate_scan": _native.compensate_scan, "scan": _native.scan,
+                 "unary_quotients": _native.unary_quotients}
     return _compiled
 
 
@@ -152,3 +153,21 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
     _, finite, nonzero = kernels["compensate_scan"](grad, residual, out, out.dtype.type(np.inf),
                                                     np.empty(0, dtype=np.int64), zero_grad, False)
     return bool(finite), bool(nonzero)
+
+
+def unary_quotients(stream: np.ndarray, count: int) -> Optional[np.ndarray]:
+    """The first ``count`` unary codes of ``stream`` (uint8, bits little-endian within a byte:
+    each code is its quotient's zeros, then a one): int64 quotients, or None when the stream
+    holds fewer than ``count`` ones. One native pass (a step per 8 bytes and per one bit);
+    callers check :func:`available` first.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    kernels = _require()
+    whole = stream.size - stream.size % 8
+    words = np.frombuffer(stream[:whole].tobytes() if not stream.flags.c_contiguous else stream[:whole],
+                          dtype="<u8")
+    quotients = np.empty(count, dtype=np.int64)
+    found = kernels["unary_quotients"](words.astype(np.uint64, copy=False), stream[whole:], quotients)
+    return quotients if found == count else None

@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 import zstandard
 
+from .. import kernels
 from ..errors import DecodeError, require
 
 #: Largest dense tensor a payload may describe (elements). Bounds every allocation a decoder makes.
@@ -174,6 +175,10 @@ def unpack_unary(data: "bytes | memoryview", count: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     buf = np.frombuffer(data, dtype=np.uint8)
     require(buf.size * 8 >= count, f"unary stream of {buf.size} bytes cannot hold {count} codes")
+    if kernels.available():  # one pass, a step per one bit (the numpy path unpacks every bit)
+        quotients = kernels.unary_quotients(buf, count)
+        require(quotients is not None, f"unary stream holds fewer than {count} codes")
+        return quotients
     ones = np.flatnonzero(np.unpackbits(buf, bitorder="little"))
     require(ones.size >= count, f"unary stream holds {ones.size} codes, expected {count}")
     ones = ones[:count]
