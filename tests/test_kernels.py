@@ -232,3 +232,48 @@ def test_unary_quotients_equal_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -
         assert (native is None) == (expected is None), trial
         if native is not None:
             np.testing.assert_array_equal(native, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_tensors_native_top_k_equals_the_torch_numpy_path(dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(11)
+    for trial in range(150):
+        numel = int(rng.integers(2, 3000))
+        k = int(rng.integers(1, numel))
+        grad = torch.from_numpy(rng.standard_normal(numel)).to(dtype)
+        if trial % 3 == 0:
+            grad = torch.round(grad * 2) / 2  # many ties at the k-th magnitude
+        if trial % 5 == 0:
+            grad[torch.from_numpy(rng.integers(0, numel, 3))] = float("nan")
+        if trial % 7 == 0:  # an infinity ranks as the largest finite value, as nan_to_num makes it
+            grad[torch.from_numpy(rng.integers(0, numel, 2))] = float("inf")
+            grad[0] = torch.finfo(dtype).max
+        residual = None if trial % 4 == 0 else torch.from_numpy(rng.standard_normal(numel) * 0.3).to(dtype)
+        native_out, plain_out = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        flags: dict = {}
+        native = topk.compensated_largest_magnitudes(grad, residual, native_out, k, flags)
+        topk._compensate_into(grad, residual, plain_out)
+        plain = topk.largest_magnitudes(plain_out, k)
+        assert torch.equal(native, plain), trial
+        np.testing.assert_array_equal(native_out.numpy(), plain_out.numpy())
+        np.testing.assert_array_equal(flags["values"].numpy(), plain_out[plain].numpy())
+
+
+def test_rice_native_encoding_writes_the_numpy_paths_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwire.codecs import get_index_codec
+    from gradwire.codecs.index.rice import RiceIndexCodec
+
+    rng = np.random.default_rng(3)
+    for trial in range(120):
+        numel = int(rng.integers(1, 2_000_000))
+        count = int(rng.integers(1, min(numel, 5000) + 1))
+        indices = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+        if trial % 5 == 0:
+            indices = np.arange(count, dtype=np.int64)  # every gap zero
+        for codec in (get_index_codec("rice"), RiceIndexCodec(parameter=0), RiceIndexCodec(parameter=40)):
+            native = codec.encode(indices, numel).data
+            with monkeypatch.context() as patched:
+                patched.setattr(kernels, "available", lambda: False)
+                expected = codec.encode(indices, numel).data
+            assert native == expected, (trial, codec.parameter)
+            np.testing.assert_array_equal(codec.decode(memoryview(native), numel, count), indices)

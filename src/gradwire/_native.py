@@ -26,13 +26,16 @@ BLOCK = 64
 # blocks of 32 walked again element by element, 3.6 ms for the pass without the tests and
 # 3.4-3.8 ms for torch.add (scripts/kernel_bench.py).
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def append_positions(bits: np.uint64, start: int, positions: np.ndarray, found: int) -> int:
-    """Append ``start + j`` for every set bit j of ``bits``, ascending; the new count (counting on
-    past the room, whose positions are then not written)."""
+def append_candidates(bits: np.uint64, start: int, source: np.ndarray, positions: np.ndarray,
+                      values: np.ndarray, found: int) -> int:
+    """Append ``start + j`` and ``source[start + j]`` for every set bit j of ``bits``, ascending;
+    the new count (counting on past the room, whose candidates are then not written)."""
     room = positions.size
     while bits:
         if found < room:
-            positions[found] = start + trailing_zeros(bits)
+            position = start + trailing_zeros(bits)
+            positions[found] = position
+            values[found] = source[position]
         found += 1
         bits &= bits - np.uint64(1)
     return found
@@ -40,7 +43,7 @@ def append_positions(bits: np.uint64, start: int, positions: np.ndarray, found: 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, limit: float,
-                    positions: np.ndarray, zero_grad: bool, find: bool) -> tuple:
+                    positions: np.ndarray, values: np.ndarray, zero_grad: bool, find: bool) -> tuple:
     # find=False: the flags only (a loop-invariant test, which LLVM hoists out of the loop)
     found = 0
     n = out.size
@@ -60,7 +63,7 @@ def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, lim
         if zero_grad:  # the block is in cache: zeroing it here saves the output's zero-fill pass
             for j in range(BLOCK):
                 grad[start + j] = 0.0
-        found = append_positions(bits, start, positions, found)
+        found = append_candidates(bits, start, out, positions, values, found)
     for i in range(full, n):
         g = grad[i]
         x = g + residual[i]
@@ -70,31 +73,31 @@ def compensate_scan(grad: np.ndarray, residual: np.ndarray, out: np.ndarray, lim
         if zero_grad:
             grad[i] = 0.0
         if find and abs(x) >= limit:
-            found = append_positions(np.uint64(1), i, positions, found)
+            found = append_candidates(np.uint64(1), i, out, positions, values, found)
     return found, finite, nonzero
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def scan(values: np.ndarray, limit: float, positions: np.ndarray) -> tuple:
+def scan(source: np.ndarray, limit: float, positions: np.ndarray, values: np.ndarray) -> tuple:
     found = 0
-    n = values.size
+    n = source.size
     full = n - n % BLOCK
     finite = True
     nonzero = False
     for start in range(0, full, BLOCK):
         bits = np.uint64(0)
         for j in range(BLOCK):
-            v = values[start + j]
+            v = source[start + j]
             bits |= np.uint64(abs(v) >= limit) << np.uint64(j)
             finite &= abs(v) < np.inf
             nonzero |= v != 0
-        found = append_positions(bits, start, positions, found)
+        found = append_candidates(bits, start, source, positions, values, found)
     for i in range(full, n):
-        v = values[i]
+        v = source[i]
         finite &= abs(v) < np.inf
         nonzero |= v != 0
         if abs(v) >= limit:
-            found = append_positions(np.uint64(1), i, positions, found)
+            found = append_candidates(np.uint64(1), i, source, positions, values, found)
     return found, finite, nonzero
 
 
@@ -129,3 +132,111 @@ def unary_quotients(words: np.ndarray, tail: np.ndarray, quotients: np.ndarray) 
                 return found
             bits &= bits - np.uint64(1)
     return found
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def pick_top(magnitudes: np.ndarray, k: int, source: np.ndarray, where: np.ndarray, positions: np.ndarray,
+             values: np.ndarray) -> int:
+    """The ``k`` largest ``magnitudes`` (``0 < k < n``; no NaN among them), ties at the k-th kept
+    in order: ``positions[i] = where[j]`` and ``values[i] = source[j]`` for each chosen ``j``,
+    ascending in ``j``. The numpy path's answer exactly (``np.partition`` for the k-th, then
+    everything above it and the first ties). Returns k."""
+    n = magnitudes.size
+    kth = np.partition(magnitudes, n - k)[n - k]
+    above = 0
+    for j in range(n):
+        above += magnitudes[j] > kth
+    tied = k - above  # the first `tied` elements equal to the k-th are kept
+    found = 0
+    for j in range(n):
+        m = magnitudes[j]
+        if m > kth or (m == kth and tied > 0):
+            if m == kth:
+                tied -= 1
+            positions[found] = where[j]
+            values[found] = source[j]
+            found += 1
+    return found
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def compensate_top(grad: np.ndarray, residual: np.ndarray, add: bool, out: np.ndarray, k: int, largest: float,
+                   positions: np.ndarray, values: np.ndarray) -> int:
+    """``out = grad + residual`` (``out = grad`` unless ``add``) and the ``k`` largest ``|out|``
+    (``0 < k < n``) into ``positions`` (ascending) and ``values``: the numpy path's answer
+    exactly (NaN ranks below every number, an infinity counts as ``largest``, the dtype's
+    largest finite value, as ``nan_to_num`` makes it; ties at the k-th keep the first
+    positions). For small tensors, where the per-call overhead of the torch/numpy path's eight
+    calls is what costs. Returns k."""
+    n = out.size
+    magnitudes = np.empty(n, dtype=out.dtype)
+    for i in range(n):
+        x = grad[i] + residual[i] if add else grad[i]
+        out[i] = x
+        m = abs(x)
+        magnitudes[i] = -1.0 if m != m else min(m, largest)
+    # numba's partition is slower than numpy's on large arrays (a top-k among 10k candidates:
+    # 180 us against 40 us here), so only small tensors take this path
+    return pick_top(magnitudes, k, out, np.arange(n), positions, values)
+
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha: float) -> int:
+    """``target[positions[i]] += alpha * values[i]`` in order (repeated positions accumulate, as
+    ``index_add_`` does). Returns 0 when every value written is finite (a sum that is not finite
+    stays so under further additions, so this is whether the final values there are), 1 when
+    one is not, -1 (having stopped there) at a position outside ``target``."""
+    n = target.size
+    finite = True
+    for i in range(positions.size):
+        position = positions[i]
+        if position < 0 or position >= n:  # a predictable branch: checking costs nothing here
+            return -1
+        x = target[position] + alpha * values[i]
+        target[position] = x
+        finite &= abs(x) < np.inf
+    return 0 if finite else 1
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def rice_shifted_sums(indices: np.ndarray, low: int, sums: np.ndarray) -> None:
+    """``sums[j]`` = the sum of ``gap >> (low + j)`` over the gaps of ascending ``indices``
+    (gap = the zeros skipped before each index): the unary part of a Rice code's size for each
+    candidate parameter, in one pass."""
+    previous = -1
+    for i in range(indices.size):
+        gap = indices[i] - previous - 1
+        previous = indices[i]
+        for j in range(sums.size):
+            sums[j] += gap >> (low + j)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def rice_write(indices: np.ndarray, parameter: int, section: np.ndarray, unary_start: int) -> None:
+    """The Rice section after its parameter byte: every gap's low ``parameter`` bits end to end
+    from ``section[1]`` (as ``write_fixed``), then from ``section[unary_start]`` every gap's
+    quotient in unary (as ``pack_unary``); bits little-endian within a byte, ``section`` zeroed
+    and sized exactly by the caller."""
+    mask = (np.int64(1) << parameter) - 1
+    accumulator = np.uint64(0)
+    held = 0  # bits in the accumulator, < 8 between gaps
+    byte = 1
+    bit = np.int64(unary_start) * 8
+    previous = -1
+    for i in range(indices.size):
+        gap = indices[i] - previous - 1
+        previous = indices[i]
+        if parameter:
+            accumulator |= np.uint64(gap & mask) << np.uint64(held)
+            held += parameter
+            while held >= 8:
+                section[byte] = np.uint8(accumulator & np.uint64(0xFF))
+                accumulator >>= np.uint64(8)
+                held -= 8
+                byte += 1
+        bit += gap >> parameter
+        section[bit >> 3] |= np.uint8(1 << (bit & 7))
+        bit += 1
+    if held:
+        section[byte] = np.uint8(accumulator & np.uint64(0xFF))

@@ -42,7 +42,9 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
     except ImportError:  # the optional extra is not installed: callers keep the torch/numpy path
         return None
     _compiled = {"compensate_scan": _native.compensate_scan, "scan": _native.scan,
-                 "unary_quotients": _native.unary_quotients}
+                 "unary_quotients": _native.unary_quotients, "compensate_top": _native.compensate_top,
+                 "add_at": _native.add_at, "rice_shifted_sums": _native.rice_shifted_sums,
+                 "rice_write": _native.rice_write}
     return _compiled
 
 
@@ -59,32 +61,46 @@ def usable(*arrays: Optional[np.ndarray]) -> bool:
 
 
 class Scan(NamedTuple):
-    """What a scan found: ``positions`` (ascending int64; None when more than the room passed),
-    and, over the scanned values, whether all are finite and whether any is not zero."""
+    """What a scan found: the candidates, ``positions`` (ascending int64) and ``values`` (the
+    scanned values there, same dtype), both None when more than the room passed; and, over
+    the scanned values, whether all are finite and whether any is not zero."""
 
     positions: Optional[np.ndarray]
     finite: bool
     nonzero: bool
+    values: Optional[np.ndarray] = None
+
+
+def _room(capacity: int, dtype: np.dtype) -> "tuple[np.ndarray, np.ndarray]":
+    size = max(1, capacity)
+    return np.empty(size, dtype=np.int64), np.empty(size, dtype=dtype)
+
+
+def _found(found: int, positions: np.ndarray, values: np.ndarray, finite: bool, nonzero: bool) -> Scan:
+    if found > positions.size:
+        return Scan(None, bool(finite), bool(nonzero), None)
+    return Scan(positions[:found], bool(finite), bool(nonzero), values[:found])
 
 
 def scan(values: np.ndarray, limit: Any, capacity: int) -> Scan:
-    """The ascending positions where ``|values| >= limit``, in one read, and two flags of ``values``.
+    """The candidates where ``|values| >= limit`` (ascending positions and their values), in
+    one read, and two flags of ``values``.
 
     Args:
         values: (n,) contiguous float32/float64.
         limit: the threshold as a scalar of ``values``' dtype.
-        capacity: how many positions to make room for.
+        capacity: how many candidates to make room for.
 
     Returns:
-        A :class:`Scan` (``positions`` None when more than ``capacity`` passed).
+        A :class:`Scan` (``positions`` and ``values`` None when more than ``capacity`` passed).
 
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
     kernels = _require()
-    positions = np.empty(max(1, capacity), dtype=np.int64)
-    found, finite, nonzero = kernels["scan"](values, limit, positions)
-    return Scan(None if found > positions.size else positions[:found], bool(finite), bool(nonzero))
+    positions, found_values = _room(capacity, values.dtype)
+    found, finite, nonzero = kernels["scan"](values, limit, positions, found_values)
+    return _found(found, positions, found_values, finite, nonzero)
 
 
 def _require() -> dict[str, Callable[..., Any]]:
@@ -96,23 +112,23 @@ def _require() -> dict[str, Callable[..., Any]]:
 
 def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, limit: Any,
                         capacity: int, *, zero_grad: bool = False) -> Scan:
-    """``out = grad + residual`` (``out = grad`` when ``residual`` is None) and the ascending
-    positions where ``|out| >= limit``, in one pass; with the flags the pipeline's check needs
-    (``finite``: every ``out`` element; ``nonzero``: some ``grad`` element), so that pass can
-    stand in for it.
+    """``out = grad + residual`` (``out = grad`` when ``residual`` is None) and the candidates
+    where ``|out| >= limit`` (ascending positions, their values of ``out``), in one pass; with
+    the flags the pipeline's check needs (``finite``: every ``out`` element; ``nonzero``: some
+    ``grad`` element), so that pass can stand in for it.
 
     Args:
         grad: (n,) contiguous float32/float64; ``residual`` and ``out`` the same dtype and size.
         residual: (n,) or None.
         out: (n,) receives the sum, whatever the return value.
         limit: the threshold as a scalar of the arrays' dtype (the caller rounds it).
-        capacity: how many positions to make room for (a guess from a sample).
+        capacity: how many candidates to make room for (a guess from a sample).
         zero_grad: also set ``grad`` to zeros on the way (it is read first): the caller's output
             buffer, which would be zero-filled next, is ``grad``'s storage.
 
     Returns:
-        A :class:`Scan`; ``positions`` None when more than ``capacity`` passed (``out`` is written
-        in full then, and the flags are complete: rescan ``out`` for the positions).
+        A :class:`Scan`; ``positions`` and ``values`` None when more than ``capacity`` passed
+        (``out`` is written in full then, and the flags are complete: rescan ``out``).
 
     Raises:
         RuntimeError: the kernels are not :func:`available`.
@@ -123,9 +139,9 @@ def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: n
         if zero_grad:
             grad.fill(0)
         return scan(out, limit, capacity)
-    positions = np.empty(max(1, capacity), dtype=np.int64)
-    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions, zero_grad, True)
-    return Scan(None if found > positions.size else positions[:found], bool(finite), bool(nonzero))
+    positions, values = _room(capacity, out.dtype)
+    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions, values, zero_grad, True)
+    return _found(found, positions, values, finite, nonzero)
 
 
 def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, *,
@@ -151,7 +167,8 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
         return finite, nonzero
     # the same pass without looking for positions: only the flags are wanted
     _, finite, nonzero = kernels["compensate_scan"](grad, residual, out, out.dtype.type(np.inf),
-                                                    np.empty(0, dtype=np.int64), zero_grad, False)
+                                                    np.empty(0, dtype=np.int64), np.empty(0, dtype=out.dtype),
+                                                    zero_grad, False)
     return bool(finite), bool(nonzero)
 
 
@@ -171,3 +188,81 @@ def unary_quotients(stream: np.ndarray, count: int) -> Optional[np.ndarray]:
     quotients = np.empty(count, dtype=np.int64)
     found = kernels["unary_quotients"](words.astype(np.uint64, copy=False), stream[whole:], quotients)
     return quotients if found == count else None
+
+
+def compensate_and_top(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray,
+                       k: int) -> "tuple[np.ndarray, np.ndarray]":
+    """``out = grad + residual`` (``out = grad`` when ``residual`` is None) and the ``k`` largest
+    ``|out|`` by a partition, in one call: what the torch/numpy path answers for a small tensor
+    (see ``_native.compensate_top``), without its per-call overhead.
+
+    Args:
+        grad: (n,) contiguous float32/float64; ``residual`` and ``out`` the same dtype and size.
+        residual: (n,) or None.
+        out: (n,) receives the sum.
+        k: ``0 < k < n``.
+
+    Returns:
+        (positions, values): (k,) ascending int64, and ``out`` there.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    kernels = _require()
+    positions, values = np.empty(k, dtype=np.int64), np.empty(k, dtype=out.dtype)
+    kernels["compensate_top"](grad, grad if residual is None else residual, residual is not None, out, k,
+                              np.finfo(out.dtype).max, positions, values)
+    return positions, values
+
+
+
+def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha: float = 1.0) -> bool:
+    """``target[positions] += alpha * values`` (repeated positions accumulate in order, as
+    ``index_add_``), in one native loop: about half of ``index_add_``'s time for a scatter over a
+    tensor larger than the cache (0.77 ms against 1.73 for 112k positions in 11.2M float32),
+    whose cost is a cache miss per position, overlapped better by the simpler loop.
+
+    Args:
+        target: (n,) contiguous float32/float64, modified in place.
+        positions: (k,) int64, each in ``[0, n)``.
+        values: (k,) ``target``'s dtype.
+        alpha: the factor (-1: subtract).
+
+    Returns:
+        Whether every element written is finite afterwards.
+
+    Raises:
+        IndexError: a position outside ``target`` (the ones before it were added).
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    status = _require()["add_at"](target, positions, values, alpha)
+    if status < 0:
+        raise IndexError(f"add_at: a position outside [0, {target.size})")
+    return status == 0
+
+
+def rice_shifted_sums(indices: np.ndarray, low: int, count: int) -> np.ndarray:
+    """For ``b`` in ``low .. low + count - 1``: the sum of ``gap >> b`` over the gaps of
+    ascending int64 ``indices`` (int64, ``count`` of them), in one pass.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    sums = np.zeros(count, dtype=np.int64)
+    _require()["rice_shifted_sums"](indices, low, sums)
+    return sums
+
+
+def rice_section(indices: np.ndarray, parameter: int, unary_bits: int) -> bytes:
+    """A Rice section (the parameter byte, the remainders, the unary quotients), the bytes the
+    numpy path writes, in one native pass over ascending int64 ``indices``; ``unary_bits`` is
+    the quotients' total plus one per index (the caller has it from the parameter's choice).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    unary_start = 1 + (indices.size * parameter + 7) // 8
+    section = np.zeros(unary_start + (unary_bits + 7) // 8, dtype=np.uint8)
+    section[0] = parameter
+    _require()["rice_write"](indices, parameter, section, unary_start)
+    return section.tobytes()

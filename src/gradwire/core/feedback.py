@@ -18,6 +18,8 @@ from typing import Hashable, Optional
 
 import torch
 
+from .scatter import scatter_add
+
 
 def accumulation_dtype(grad: torch.Tensor) -> torch.dtype:
     """Residuals and compensated gradients are float32, or float64 for float64 gradients."""
@@ -95,7 +97,7 @@ class ErrorFeedback:
         """
         # one fused scatter (indices are distinct): the same bits as ``compensated[indices] -= received``,
         # without its gather and separate subtraction
-        compensated.index_add_(0, indices, received.to(compensated.dtype), alpha=-1)
+        scatter_add(compensated, indices, received.to(compensated.dtype), alpha=-1)
         if self.decay != 1.0:  # an extra pass only for a decaying memory
             compensated.mul_(self.decay)
         self._keep(key, compensated)

@@ -44,9 +44,10 @@ class Entry:
 
     ``grad``: a view into its target's tensors. ``offset``: element offset in the group's flat
     space. ``compensated`` (flat float32/64, the tensor's numel) and ``indices`` (ascending
-    int64) are filled by selection. ``unused``: the gradient was all zeros on this rank (e.g. a
-    parameter DDP found unused): it sends nothing and keeps its residual whole, so what it owes
-    is neither applied nor lost.
+    int64) are filled by selection; ``values`` is ``compensated`` at ``indices`` when the
+    selection read them on its way (None: the encoder gathers them). ``unused``: the gradient
+    was all zeros on this rank (e.g. a parameter DDP found unused): it sends nothing and keeps
+    its residual whole, so what it owes is neither applied nor lost.
     """
 
     key: Hashable
@@ -55,6 +56,7 @@ class Entry:
     offset: int
     compensated: Optional[torch.Tensor] = None
     indices: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
     unused: bool = False
 
     @property

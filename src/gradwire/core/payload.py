@@ -20,7 +20,7 @@ Knows codecs and tensors; nothing of ranks or collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,11 +32,17 @@ from ..sparse import SparseTensor
 @dataclass
 class Part:
     """One parameter's selection: ``compensated`` (flat float, its numel), ascending int64
-    ``indices`` into it, and ``offset``, where the parameter starts in the group's flat space."""
+    ``indices`` into it, and ``offset``, where the parameter starts in the group's flat space;
+    ``values``: ``compensated[indices]`` when the selection has them already (None: gathered here)."""
 
     compensated: torch.Tensor
     indices: torch.Tensor
     offset: int
+    values: Optional[torch.Tensor] = None
+
+    def selected(self) -> torch.Tensor:
+        """``compensated`` at ``indices``."""
+        return self.values if self.values is not None else torch.index_select(self.compensated, 0, self.indices)
 
 
 @dataclass
@@ -63,7 +69,7 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, *, index_codec: Index
                   value_codec: ValueCodec) -> EncodedBucket:
     """Encode the parts of one group (``group_numel`` elements in its flat space)."""
     if parts and joins(index_codec):
-        values = torch.cat([torch.index_select(p.compensated, 0, p.indices) for p in parts])
+        values = torch.cat([p.selected() for p in parts])
         positions = torch.cat([p.indices + p.offset for p in parts])
         order = None
         if any(b.offset < a.offset for a, b in zip(parts, parts[1:])):
@@ -82,7 +88,7 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, *, index_codec: Index
                 for p, values in zip(parts, torch.split(part_values, counts))]
         return EncodedBucket(encoded.payload, positions, received, sent)
     encoded = codec_layer.encode_tensors(
-        [(torch.index_select(p.compensated, 0, p.indices), p.indices, p.compensated.numel()) for p in parts],
+        [(p.selected(), p.indices, p.compensated.numel()) for p in parts],
         index_codec, value_codec, check=False, dense=[p.compensated for p in parts],
     )
     sent = [SparseTensor(t.values, t.indices, p.compensated.numel()) for t, p in zip(encoded.tensors, parts)]

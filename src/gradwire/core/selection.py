@@ -76,7 +76,7 @@ class Selection:
             else:
                 selected = [self._select_one(entry, step) for entry in group.entries]
             for entry, indices in zip(group.entries, selected):
-                entry.indices = indices
+                entry.indices, entry.values = indices, None
         self.stats.add("count_selections", len(group.entries))
 
     def _run_fused(self, group: Group, step: int, deferred: "frozenset[int]" = frozenset()) -> None:
@@ -93,7 +93,7 @@ class Selection:
                     entry.unused = finite and entry.unused
                 if checked and (not finite or entry.unused):
                     entry.compensated = self._compensate(entry, finite)
-                    entry.indices = self._select_one(entry, step)
+                    entry.indices, entry.values = self._select_one(entry, step), None
                     continue
                 grad = entry.grad.reshape(-1)
                 if self.feedback is not None:
@@ -104,7 +104,7 @@ class Selection:
                 entry.indices = self.sparsifier.select_compensated(grad, residual, out, step=step,
                                                                    tensor_id=entry.tensor_id, flags=flags,
                                                                    zero_grad=zero and not checked)
-                entry.compensated = out
+                entry.compensated, entry.values = out, flags.get("values")
                 if flags.get("zeroed"):
                     zeroed.add(position)
                 if checked:
@@ -117,7 +117,7 @@ class Selection:
                     late_nonfinite = late_nonfinite or not flags["finite"]
                 if entry.unused and not late_nonfinite:  # nothing of it is sent; its residual stays whole
                     entry.compensated = self._compensate(entry, True)
-                    entry.indices = self._select_one(entry, step)
+                    entry.indices, entry.values = self._select_one(entry, step), None
             if late_nonfinite:  # as if the check had come first
                 self._as_nonfinite(group, step)
             if zero:  # the rest of the buffer (small tensors, any the kernel skipped), now read too
@@ -135,7 +135,7 @@ class Selection:
         the same value-independent positions on zeros)."""
         group.finite = False
         for entry in group.entries:
-            entry.unused = False
+            entry.unused, entry.values = False, None
             if self.sparsifier.shared_support:
                 entry.compensated = self._compensate(entry, False)
                 entry.indices = self._select_one(entry, step)

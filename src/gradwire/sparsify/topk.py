@@ -90,7 +90,7 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     found = _scan_from_sample(flat[:: max(1, numel // SAMPLE_SIZE)], numel, k,
                               lambda threshold, capacity: _scan(flat, threshold, capacity))
     if found is not None:
-        return _finish(flat, found, k)
+        return _finish(flat, found, k)[0]
     return topk_indices(_magnitudes_nan_last(flat), k)
 
 
@@ -108,7 +108,8 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
         k: ``1 <= k <= n``.
         flags: a dict that receives ``"finite"`` (every element of ``out``) and ``"nonzero"``
             (some element of ``grad``) when the native pass ran (:mod:`gradwire.kernels`), which
-            computes them on the way, and ``"zeroed"``; left as it is otherwise.
+            computes them on the way, and ``"zeroed"``; and ``"values"``, ``out`` at the returned
+            positions, when the scan read them on its way (the encoder then skips its gather).
         zero_grad: let the native pass zero ``grad`` once read (``flags["zeroed"]`` says if it did).
 
     Returns:
@@ -118,6 +119,12 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
     fused = (out.device.type == "cpu" and out.dtype in NUMPY_DTYPES and numel >= SCAN_MIN_NUMEL
              and k <= SCAN_MAX_DENSITY * numel and out.is_contiguous())
     if not fused:
+        native = _compensate_and_top(grad, residual, out, k)
+        if native is not None:
+            indices, values = native
+            if flags is not None:
+                flags["values"] = values
+            return indices
         _compensate_into(grad, residual, out)
         return largest_magnitudes(out, k)
     stride = max(1, numel // SAMPLE_SIZE)
@@ -136,14 +143,21 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
     if not state["compensated"]:
         _compensate_into(grad, residual, out)
     if found is not None:
-        return _finish(out, found, k)
+        indices, values = _finish(out, found, k)
+        if flags is not None and found[1] is not None:
+            flags["values"] = values
+        return indices
     return topk_indices(_magnitudes_nan_last(out), k)
 
 
-def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> Optional[torch.Tensor]:
-    """Candidates (ascending positions with ``|x| >= t``, at least ``k`` of them) for a threshold
-    ``t`` read off an evenly spaced ``sample``, lowered until enough pass; None when the sample
-    says a scan would keep nearly everything (pick over everything instead)."""
+Candidates = "tuple[torch.Tensor, Optional[torch.Tensor]]"
+
+
+def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> "Optional[Candidates]":
+    """Candidates (ascending positions with ``|x| >= t``, at least ``k`` of them, and their values
+    when the scan read them, else None) for a threshold ``t`` read off an evenly spaced
+    ``sample``, lowered until enough pass; None when the sample says a scan would keep nearly
+    everything (pick over everything instead)."""
     sample = sample.abs().float().nan_to_num_(nan=-1.0)
     size = sample.numel()
     values = sample.numpy() if sample.device.type == "cpu" else None
@@ -160,15 +174,36 @@ def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> Optiona
         # room for the candidates the sample predicts, twice over (the native scan falls back
         # to numpy's when more pass)
         candidates = scan(threshold, int(2 * rank * numel / size) + 1024)
-        if candidates.numel() >= k:
+        if candidates[0].numel() >= k:
             return candidates
         rank *= _WIDEN
     return None
 
 
-def _finish(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """The exact top-k among the candidates (which hold every element at or above the k-th)."""
-    return candidates[topk_indices(torch.index_select(flat, 0, candidates).abs_(), k)]
+def _finish(flat: torch.Tensor, candidates: "Candidates", k: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The exact top-k among the candidates (which hold every element at or above the k-th, and
+    no NaN): their positions and values."""
+    positions, values = candidates
+    if values is None:
+        values = torch.index_select(flat, 0, positions)
+    chosen = topk_indices(values.abs(), k)
+    return positions[chosen], values[chosen]
+
+
+def _compensate_and_top(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                        k: int) -> "Optional[tuple[torch.Tensor, torch.Tensor]]":
+    """The unfused path's answer (compensate, then :func:`topk_indices` over all of ``out``) in
+    one native call where :mod:`gradwire.kernels` can take the arrays (CPU, one dtype,
+    contiguous), with the values there; None otherwise. For the many small tensors of a model
+    (BatchNorm, biases), whose cost is the per-call overhead of eight torch/numpy calls."""
+    if out.device.type != "cpu" or out.dtype not in NUMPY_DTYPES or not 0 < k < out.numel() \
+            or grad.dtype != out.dtype or not grad.is_contiguous():
+        return None
+    arrays = (grad.detach().reshape(-1).numpy(), None if residual is None else residual.detach().numpy(), out.numpy())
+    if not kernels.usable(*arrays):
+        return None
+    positions, values = kernels.compensate_and_top(arrays[0], arrays[1], arrays[2], k)
+    return torch.from_numpy(positions), torch.from_numpy(values)
 
 
 def _compensate_into(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -179,23 +214,24 @@ def _compensate_into(grad: torch.Tensor, residual: Optional[torch.Tensor], out: 
         torch.add(flat, residual, out=out)
 
 
-def _scan(flat: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:
-    """:func:`indices_at_or_above`, in one native pass where :mod:`gradwire.kernels` can take it."""
+def _scan(flat: torch.Tensor, threshold: float, capacity: int) -> "Candidates":
+    """:func:`indices_at_or_above` (and the values there), in one native pass where
+    :mod:`gradwire.kernels` can take it."""
     values = flat.detach().numpy() if flat.device.type == "cpu" and flat.dtype in NUMPY_DTYPES else None
     if values is not None and values.ndim == 1 and kernels.usable(values):
         limit = NUMPY_DTYPES[flat.dtype](representable_at_least(threshold, flat.dtype))
-        found = kernels.scan(values, limit, capacity).positions
-        if found is not None:
-            return torch.from_numpy(found)
-    return indices_at_or_above(flat, threshold)
+        found = kernels.scan(values, limit, capacity)
+        if found.positions is not None:
+            return torch.from_numpy(found.positions), torch.from_numpy(found.values)
+    return indices_at_or_above(flat, threshold), None
 
 
 def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                          threshold: float, capacity: int, flags: Optional[dict] = None,
-                         zero_grad: bool = False) -> torch.Tensor:
-    """``out = grad + residual`` and the ascending int64 positions where ``|out| >= threshold``:
-    one native pass (:mod:`gradwire.kernels`), else chunk by chunk, each chunk scanned while it
-    is in cache."""
+                         zero_grad: bool = False) -> "Candidates":
+    """``out = grad + residual`` and the ascending int64 positions where ``|out| >= threshold``
+    (with their values when the native pass found them): one native pass
+    (:mod:`gradwire.kernels`), else chunk by chunk, each chunk scanned while it is in cache."""
     numpy_dtype = NUMPY_DTYPES[out.dtype]
     limit = numpy_dtype(representable_at_least(threshold, out.dtype))
     flat = grad.reshape(-1)
@@ -208,8 +244,8 @@ def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], o
             if flags is not None:
                 flags.update(finite=found.finite, nonzero=found.nonzero, zeroed=zero)
             if found.positions is None:  # more candidates than room: out is written in full, scan it
-                return indices_at_or_above(out, threshold)
-            return torch.from_numpy(found.positions)
+                return indices_at_or_above(out, threshold), None
+            return torch.from_numpy(found.positions), torch.from_numpy(found.values)
     numel = out.numel()
     chunk = min(numel, FUSED_CHUNK_NUMEL)
     magnitudes, mask = chunk_buffers(chunk, np.dtype(numpy_dtype))
@@ -226,7 +262,7 @@ def _compensate_and_scan(grad: torch.Tensor, residual: Optional[torch.Tensor], o
         found = np.flatnonzero(mask[:size])
         pieces.append(found + start if start else found)
     positions = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    return torch.from_numpy(positions.astype(np.int64, copy=False))
+    return torch.from_numpy(positions.astype(np.int64, copy=False)), None
 
 
 def _magnitudes_nan_last(flat: torch.Tensor) -> torch.Tensor:

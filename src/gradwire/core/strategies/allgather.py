@@ -14,6 +14,7 @@ from ...exchange import FRAME_HEADER_BYTES, ByteGather, CostModel, gather_frames
 from ..digest import digest_of
 from ..frames import FRAME_HEADROOM, FrameSizes
 from ..group import Group, all_finite
+from ..scatter import scatter_add
 from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 
@@ -67,7 +68,7 @@ class PayloadAllGather(ExchangeStrategy):
         if finite:
             try:
                 with context.stats.timer("encode"):
-                    parts = [Part(e.compensated, e.indices, e.offset) for e in group.entries]
+                    parts = [Part(e.compensated, e.indices, e.offset, e.values) for e in group.entries]
                     encoded = encode_bucket(parts, group.numel, index_codec=context.index_codec,
                                             value_codec=context.value_codec)
             except Exception as error:  # still take part (as "invalid"): peers must not wait on us
@@ -186,6 +187,7 @@ class PayloadAllGather(ExchangeStrategy):
             device = group.device
             out = group.output_buffer(dtype)
             summed: list[torch.Tensor] = []
+            finite, unchecked = True, []
             for source, data in enumerate(payloads):
                 if source == context.rank:  # our own reconstruction is bit-identical to decoding it
                     positions, values = encoded.positions, encoded.values
@@ -196,9 +198,16 @@ class PayloadAllGather(ExchangeStrategy):
                 summed.extend((positions, values))
                 if divisor != 1:  # divide the few sent values, not the whole buffer afterwards
                     values = values / divisor
-                out.index_add_(0, positions, values)
-            landed = torch.cat(summed[0::2]) if summed else torch.zeros(0, dtype=torch.int64, device=device)
-            if not all_finite(out.index_select(0, landed)):  # a peer's payload held NaN/Inf (or the sum overflowed)
+                # a non-finite sum stays so under further additions: checking each source's writes
+                # as they land (the native scatter does it on its way) is checking the final values
+                landed_finite = scatter_add(out, positions, values)
+                if landed_finite is None:
+                    unchecked.append(positions)
+                else:
+                    finite &= landed_finite
+            if unchecked:  # one gather and one host sync for what index_add_ wrote
+                finite &= all_finite(out.index_select(0, torch.cat(unchecked)))
+            if not finite:  # a peer's payload held NaN/Inf (or the sum overflowed)
                 group.mark_nonfinite()
                 return
             group.digest = digest_of(summed)
