@@ -26,6 +26,7 @@ TIMED = {
     "dense-h16": ("diloco:sync_every=16", "allreduce"),
     "int8-h16": ("diloco:sync_every=16+quantize:bits=8", "allreduce"),
     "int4-h16": ("diloco:sync_every=16+quantize:bits=4", "allreduce"),
+    "int4-h16-warm8": ("diloco:sync_every=16+quantize:bits=4", "quantize:bits=8"),
     "streaming-f4": ("diloco:sync_every=16,fragments=4,overlap=1", "allreduce"),
     "topk3-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.03,{_TOPK}", "allreduce"),
     "topk1-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "allreduce"),

@@ -22,6 +22,7 @@ SIMS=(
     "dense-h16|diloco:sync_every=16,$W"
     "int8-h16|diloco:sync_every=16,$W+quantize:bits=8"
     "int4-h16|diloco:sync_every=16,$W+quantize:bits=4"
+    "int4-h16-warm8|diloco:sync_every=16,$W,warmup_quantize=int8+quantize:bits=4"
     "dense-h32|diloco:sync_every=32,$W"
     "int4-h32|diloco:sync_every=32,$W+quantize:bits=4,block=512"
     "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"

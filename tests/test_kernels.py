@@ -238,7 +238,7 @@ def test_unary_quotients_equal_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -
 def test_small_tensors_native_top_k_equals_the_torch_numpy_path(dtype: torch.dtype) -> None:
     rng = np.random.default_rng(11)
     for trial in range(150):
-        numel = int(rng.integers(2, 3000))
+        numel = int(rng.integers(2, topk.NATIVE_TOP_MAX_NUMEL + 1))
         k = int(rng.integers(1, numel))
         grad = torch.from_numpy(rng.standard_normal(numel)).to(dtype)
         if trial % 3 == 0:

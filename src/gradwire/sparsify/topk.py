@@ -38,6 +38,10 @@ SCAN_MAX_DENSITY = 0.25
 SAMPLE_SIZE = 1 << 13
 #: Lowering the threshold when a scan left fewer than ``k`` candidates: widen the sample rank by this.
 _WIDEN = 4.0
+#: Up to this many elements a tensor's compensation and top-k run as one native call (8 against
+#: 12 us at 512 elements, one thread); above it numba's partition loses to numpy's (15 against 15
+#: us at 4096, 79 against 44 at 30000)
+NATIVE_TOP_MAX_NUMEL = 1 << 11
 #: Elements per chunk of the fused compensate-and-scan: small enough that the chunk, its
 #: magnitudes and its mask (9 bytes per float32 element) stay in a core's L2 cache.
 FUSED_CHUNK_NUMEL = 1 << 16
@@ -196,7 +200,8 @@ def _compensate_and_top(grad: torch.Tensor, residual: Optional[torch.Tensor], ou
     one native call where :mod:`gradwire.kernels` can take the arrays (CPU, one dtype,
     contiguous), with the values there; None otherwise. For the many small tensors of a model
     (BatchNorm, biases), whose cost is the per-call overhead of eight torch/numpy calls."""
-    if out.device.type != "cpu" or out.dtype not in NUMPY_DTYPES or not 0 < k < out.numel() \
+    if out.numel() > NATIVE_TOP_MAX_NUMEL or out.device.type != "cpu" or out.dtype not in NUMPY_DTYPES \
+            or not 0 < k < out.numel() \
             or grad.dtype != out.dtype or not grad.is_contiguous():
         return None
     arrays = (grad.detach().reshape(-1).numpy(), None if residual is None else residual.detach().numpy(), out.numpy())
