@@ -25,6 +25,9 @@ SIMS=(
     "int4-h16-warm8|diloco:sync_every=16,$W,warmup_quantize=int8+quantize:bits=4"
     "dense-h32|diloco:sync_every=32,$W"
     "int4-h32|diloco:sync_every=32,$W+quantize:bits=4,block=512"
+    "int4-h32-b1024|diloco:sync_every=32,$W+quantize:bits=4,block=1024"
+    "int4-h16-warm8e100|diloco:sync_every=16,$W,warmup_quantize=int8,warmup_exact=100+quantize:bits=4"
+    "int4-h16-warm8-overlap1|diloco:sync_every=16,$W,warmup_quantize=int8,overlap=1+quantize:bits=4"
     "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"
     "topk10-reset|diloco:sync_every=16,$W+topk:density=0.1,$TOPK"
     "sparseloco3|diloco:sync_every=16,$W,outer_lr=1,outer_momentum=0,decay=0.9+topk:density=0.03,$TOPK"
@@ -41,6 +44,8 @@ TIMED=(
     diloco:sync_every=16
     diloco:sync_every=16+quantize:bits=8
     diloco:sync_every=16+quantize:bits=4
+    diloco:sync_every=16,overlap=1+quantize:bits=4
+    diloco:sync_every=32+quantize:bits=4,block=1024
     diloco:sync_every=16,fragments=4,overlap=1
     "diloco:sync_every=16,unsent=model+topk:density=0.01,$TOPK"
     "diloco:sync_every=16,unsent=model+topk:density=0.03,$TOPK"

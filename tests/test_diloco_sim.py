@@ -30,6 +30,9 @@ CASES = {  # name -> (world size, DiLoCo options)
     "unsent-model-int4-overlap": (3, {"quantize": "int4", "unsent": "model", "overlap_steps": 2}),
     "int8": (3, {"quantize": "int8"}),
     "int8-warmup": (3, {"quantize": "int8", "warmup_steps": 3, "warmup_quantize": "int8"}),
+    # exact warm-up steps on 2 ranks: gloo's ring sums 3 ranks' dense buffers in another order
+    "int8-warmup-exact-first": (2, {"quantize": "int8", "warmup_steps": 3, "warmup_quantize": "int8",
+                                    "warmup_exact_steps": 2}),
     "int4": (3, {"quantize": "int4", "quantize_block": 16, "fragments": 2}),
     "randomblock": (2, {"compressor": "randomblock", "density": 0.25, "collective": "allreduce"}),
 }

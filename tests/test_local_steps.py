@@ -115,6 +115,9 @@ def test_fragments_stride_equal_layers_and_balance_unequal_ones() -> None:
     ({"sync_every": 4, "feedback_decay": 1.5}, r"feedback_decay=1.5 must be a number in \[0, 1\]"),
     ({"sync_every": 4, "collective": "ring"}, "collective='ring' is not supported"),
     ({"sync_every": 4, "quantize": "int2"}, "quantize='int2' is not supported"),
+    ({"sync_every": 4, "warmup_steps": 5, "warmup_quantize": "int8", "warmup_exact_steps": 6},
+     r"warmup_exact_steps=6 must be an integer in \[0, warmup_steps=5\]"),
+    ({"sync_every": 4, "warmup_steps": 5, "warmup_exact_steps": 2}, "warmup_exact_steps needs warmup_quantize"),
 ])
 def test_invalid_options_name_the_option(options: dict, message: str) -> None:
     model = _model()

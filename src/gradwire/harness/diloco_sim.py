@@ -70,17 +70,20 @@ class SimulatedDiLoCo:
     def __init__(self, workers: int, total_steps: int, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, feedback_decay: float = 1.0, merge_alpha: float = 0.5,
-                 unsent: str = "residual", warmup_quantize: Optional[str] = None, compressor: str = "none",
+                 unsent: str = "residual", warmup_quantize: Optional[str] = None,
+                 warmup_exact_steps: int = 0, compressor: str = "none",
                  **options: Any) -> None:
         self.local = LocalStepsConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                       nesterov=nesterov, warmup_steps=warmup_steps, fragments=fragments,
                                       overlap_steps=overlap_steps, feedback_decay=feedback_decay,
-                                      merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize)
+                                      merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize,
+                                      warmup_exact_steps=warmup_exact_steps)
         self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
         self.workers, self.total_steps = workers, total_steps
         self.exchange = SimulatedExchange(self.config, workers)
         #: the warm-up's gradient average: DDP's exact mean, or the front-end's quantized GradientExchange
-        self.warmup = SimulatedHook(workers, compressor="none", quantize=warmup_quantize) if warmup_quantize else None
+        self.warmup = (SimulatedHook(workers, compressor="none", quantize=warmup_quantize,
+                                     warmup_steps=warmup_exact_steps) if warmup_quantize else None)
         self.outer: list[OuterState] = []
         self.deltas: list[list[Tensor]] = []
         self.keys: list[list[Any]] = []

@@ -60,9 +60,10 @@ PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": 
 #: ``diloco:sync_every=16,...``: local steps; a communication part joined by ``+`` compresses the outer step
 DILOCO_KEYS = {"sync_every": int, "outer_lr": float, "outer_momentum": float, "nesterov": "bool",
                "warmup_steps": int, "fragments": int, "overlap": int, "decay": float, "merge_alpha": float,
-               "unsent": "unsent", "inner": "inner", "warmup_quantize": "warmup_quantize"}
+               "unsent": "unsent", "inner": "inner", "warmup_quantize": "warmup_quantize",
+               "warmup_exact": int}
 #: spec keys of ``diloco`` whose DiLoCo keyword differs
-_DILOCO_NAMES = {"overlap": "overlap_steps", "decay": "feedback_decay"}
+_DILOCO_NAMES = {"overlap": "overlap_steps", "decay": "feedback_decay", "warmup_exact": "warmup_exact_steps"}
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,10 @@ class DiLoCo:
         warmup_quantize: the warm-up's gradient AllReduce in ``"int8"`` or ``"int4"`` blocks (with
             error feedback, the core's ``quantize``) instead of float32: a synchronous warm-up at
             about a quarter (an eighth) of DDP's bytes.
+        warmup_exact_steps: with ``warmup_quantize``, how many of the warm-up's first steps still
+            average exactly (float32) before the quantized ones: error feedback from step 1 can
+            fall behind under Adam (one of two seeds did, docs/local-steps.md). At most
+            ``warmup_steps``; 0 quantizes from the first step.
         **options: further options of the core's :class:`~gradwire.core.config.ExchangeConfig`
             (``codec_options``, ``scope``, ``nonfinite``, ``collective_timeout``, ``quantize_block``, ...).
 
@@ -123,7 +127,7 @@ class DiLoCo:
                  process_group: Optional[dist.ProcessGroup] = None, *,
                  outer_optimizer: Optional[OuterOptimizerFactory] = None, feedback_decay: float = 1.0,
                  merge_alpha: float = 0.5, unsent: str = "residual", warmup_quantize: Optional[str] = None,
-                 **options: Any) -> None:
+                 warmup_exact_steps: int = 0, **options: Any) -> None:
         if "config" in options:
             raise ValueError("DiLoCo takes the exchange's options as keywords, not config=")
         self.local = LocalStepsConfig(
@@ -131,7 +135,8 @@ class DiLoCo:
             outer_optimizer=None if outer_optimizer is None else getattr(outer_optimizer, "__qualname__",
                                                                          type(outer_optimizer).__name__),
             warmup_steps=warmup_steps, fragments=fragments, overlap_steps=overlap_steps,
-            feedback_decay=feedback_decay, merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize)
+            feedback_decay=feedback_decay, merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize,
+            warmup_exact_steps=warmup_exact_steps)
         self.config = ExchangeConfig(compressor=compressor, density=density, value_codec=value_codec,
                                      index_codec=index_codec, collective=collective, quantize=quantize,
                                      error_feedback=error_feedback, **options)
@@ -158,7 +163,8 @@ class DiLoCo:
         # a collective on every rank: rank 0's parameters and buffers everywhere, as DDP does; it also
         # averages the warm-up's gradients
         self._warmup = GradientExchange(module, process_group, broadcast_parameters=True, compressor="none",
-                                        quantize=warmup_quantize, nonfinite=self.config.nonfinite,
+                                        quantize=warmup_quantize, warmup_steps=warmup_exact_steps,
+                                        nonfinite=self.config.nonfinite,
                                         collective_timeout=self.config.collective_timeout)
         check_same_on_all_ranks(self.describe(), process_group, timeout=self.config.collective_timeout)
         factory = outer_optimizer or sgd_factory(outer_lr, outer_momentum, nesterov)

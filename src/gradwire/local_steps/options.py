@@ -42,6 +42,9 @@ class LocalStepsConfig:
     unsent: str = "residual"
     #: the warm-up's gradient exchange: None (dense float32) or "int8" / "int4" (quantized, with error feedback)
     warmup_quantize: Optional[str] = None
+    #: with ``warmup_quantize``: the warm-up's first steps average exactly (float32), the rest
+    #: quantized; error feedback from step 1 under Adam can fall behind and stay there
+    warmup_exact_steps: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("sync_every", 1), ("fragments", 1), ("warmup_steps", 0), ("overlap_steps", 0)):
@@ -66,6 +69,12 @@ class LocalStepsConfig:
                 raise ValueError(f"outer_momentum={self.outer_momentum!r} must be a number in [0, 1)")
         check_choice("unsent", self.unsent, UNSENT)
         check_choice("warmup_quantize", self.warmup_quantize, (None, "int8", "int4"))
+        if not is_integer(self.warmup_exact_steps) or not 0 <= self.warmup_exact_steps <= self.warmup_steps:
+            raise ValueError(f"warmup_exact_steps={self.warmup_exact_steps!r} must be an integer in "
+                             f"[0, warmup_steps={self.warmup_steps}]")
+        if self.warmup_exact_steps and self.warmup_quantize is None:
+            raise ValueError("warmup_exact_steps needs warmup_quantize='int8' or 'int4' (without it the whole "
+                             "warm-up is exact)")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"nesterov={self.nesterov!r} must be True or False")
 
