@@ -102,35 +102,32 @@ def scan(source: np.ndarray, limit: float, positions: np.ndarray, values: np.nda
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
+def append_ones(bits: np.uint64, base: int, quotients: np.ndarray, found: int, last: int) -> tuple:
+    """For each set bit of ``bits`` (bit j at stream position ``base + j``) until ``quotients``
+    is full: the zeros since the previous one. Returns (found, the last one's position)."""
+    count = quotients.size
+    while bits and found < count:
+        bit = base + trailing_zeros(bits)
+        quotients[found] = bit - last - 1
+        last = bit
+        found += 1
+        bits &= bits - np.uint64(1)
+    return found, last
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
 def unary_quotients(words: np.ndarray, tail: np.ndarray, quotients: np.ndarray) -> int:
     """The unary codes of a little-endian bit stream (``words``: its whole 8-byte words,
     ``tail``: the bytes after them): ``quotients[i]`` = the zeros before the i-th one bit; stops
     once ``quotients`` is full. Returns how many were found. Work: one step per word and per
     one bit found, so bounded by the stream's size."""
-    count = quotients.size
-    found = 0
-    last = -1
+    found, last = 0, -1
     for w in range(words.size):
-        bits = words[w]
-        while bits:
-            bit = w * 64 + trailing_zeros(bits)
-            quotients[found] = bit - last - 1
-            last = bit
-            found += 1
-            if found == count:
-                return found
-            bits &= bits - np.uint64(1)
-    base = words.size * 64
+        found, last = append_ones(words[w], w * 64, quotients, found, last)
+        if found == quotients.size:
+            return found
     for b in range(tail.size):
-        bits = np.uint64(tail[b])
-        while bits:
-            bit = base + b * 8 + trailing_zeros(bits)
-            quotients[found] = bit - last - 1
-            last = bit
-            found += 1
-            if found == count:
-                return found
-            bits &= bits - np.uint64(1)
+        found, last = append_ones(np.uint64(tail[b]), words.size * 64 + b * 8, quotients, found, last)
     return found
 
 
