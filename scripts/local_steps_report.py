@@ -172,7 +172,8 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
             ddp = runs.get("ddp", {})
             steps = [crossing(r, ddp[s]["held_out_loss"]) if name != "ddp" else 1500.0
                      for s, r in seeds.items() if s in ddp]
-            times = [_time(s, warmup_of(seeds[seed]), t_warm, t_local) for s, seed in zip(steps, seeds)]
+            t_ddp = at["allreduce"]["seconds_per_step"] if "allreduce" in at else t_warm
+            times = [_time(s, phases_of(seeds[seed], t_ddp, t_warm, t_local)) for s, seed in zip(steps, seeds)]
             mean_time = mean_spread([t for t in times if not math.isnan(t)])[0]
             compare = "–"
             t_topk = at.get(TIMED["topk1-step"][0], {}).get("seconds_per_step", math.nan)
@@ -182,9 +183,9 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
                 for seed, record in seeds.items():
                     if seed not in topk:
                         continue
-                    warm = warmup_of(record)
-                    wall = min(_time(1500.0, warm, t_warm, t_local), 1500 * t_topk)
-                    pairs.append((loss_at(record, _steps_in(wall, warm, t_warm, t_local)),
+                    phases = phases_of(record, t_ddp, t_warm, t_local)
+                    wall = min(_time(1500.0, phases), 1500 * t_topk)
+                    pairs.append((loss_at(record, _steps_in(wall, phases)),
                                   loss_at(topk[seed], wall / t_topk)))
                 if pairs:
                     mine = sum(p[0] for p in pairs) / len(pairs)
@@ -192,7 +193,7 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
                     compare = f"{mine:.4f} vs {theirs:.4f}"
             hooks, in_run = _hook_seconds(at[local])
             lines.append(f"| {name} | `{local}` | {t_local:.3f} | {t_local / floor:.2f} | {hooks} | {in_run} | "
-                         f"{t_warm:.3f} | {_steps(steps)} | {mean_time:.0f} | {ddp_time / mean_time:.1f}x | "
+                         f"{t_warm:.3f} | {_steps(steps)} | {mean_time:.0f} | {ddp_time / mean_time:.2f}x | "
                          f"{compare} |")
     return "\n".join(lines)
 
@@ -209,17 +210,39 @@ def _hook_seconds(row: dict[str, Any]) -> tuple[str, str]:
     return f"{hooks:.4f}", f"{step / (step - hooks):.3f}"
 
 
-def _steps_in(seconds: float, warmup: int, t_warm: float, t_local: float) -> float:
-    """How many steps a run with ``warmup`` steps of ``t_warm`` seconds, then ``t_local``, does in ``seconds``."""
-    if seconds <= warmup * t_warm:
-        return seconds / t_warm
-    return warmup + (seconds - warmup * t_warm) / t_local
+Phases = list  # [(steps, seconds per step)], the last phase unbounded
 
 
-def _time(steps: float, warmup: int, t_warm: float, t_local: float) -> float:
+def phases_of(record: dict[str, Any], t_exact: float, t_warm: float, t_local: float) -> Phases:
+    """A run's schedule: its warm-up's exact steps (``warmup_exact``) at DDP's time, the rest of
+    its warm-up at ``t_warm``, then the local steps."""
+    warmup = warmup_of(record)
+    match = re.search(r"warmup_exact=(\d+)", record.get("method", ""))
+    exact = min(int(match.group(1)), warmup) if match else 0
+    return [(exact, t_exact), (warmup - exact, t_warm), (math.inf, t_local)]
+
+
+def _steps_in(seconds: float, phases: Phases) -> float:
+    """How many steps the schedule ``phases`` does in ``seconds``."""
+    done = 0.0
+    for steps, per_step in phases:
+        if seconds <= steps * per_step:
+            return done + seconds / per_step
+        seconds -= steps * per_step
+        done += steps
+    return done
+
+
+def _time(steps: float, phases: Phases) -> float:
+    """Seconds the schedule ``phases`` takes for ``steps`` steps (NaN for NaN)."""
     if math.isnan(steps):
         return math.nan
-    return min(steps, warmup) * t_warm + max(steps - warmup, 0.0) * t_local
+    total = 0.0
+    for length, per_step in phases:
+        taken = min(steps, length)
+        total += taken * per_step
+        steps -= taken
+    return total
 
 
 def _rate(bandwidth: str) -> float:
