@@ -18,8 +18,9 @@ spec, as ``gradwire train`` takes it), the model's gradients are cut into DDP-li
 * ``floor``: one ``torch.add(a, b, out=c)`` over the model's numel, timed in the same rounds;
   ``passes`` = hook / floor.
 
-Rounds interleave the floor and every method, so a burst of load from other processes hits them
-alike; on a shared machine compare rows of one run, not runs.
+Rounds interleave the floor and every method, the methods in reverse order every other round,
+so a burst of load from other processes, and what the previous method left in the caches, hit
+them alike; on a shared machine compare rows of one run, not runs.
 """
 
 from __future__ import annotations
@@ -119,11 +120,14 @@ def measure(model: str, gradients: list[torch.Tensor], options: dict[str, dict[s
         for run_ in runs.values():
             run_.step()
     floor: list[float] = []
-    for _ in range(repeats):
+    order = list(runs.values())
+    for repeat in range(repeats):
         start = time.perf_counter()
         torch.add(a, b, out=c)
         floor.append(time.perf_counter() - start)
-        for run_ in runs.values():
+        # every other round in reverse: each method follows the floor and each neighbour alike
+        # (what ran before moves a step's time by 10-25% here: it leaves the caches in its state)
+        for run_ in (order if repeat % 2 == 0 else order[::-1]):
             run_.record(run_.step())
     floor_ms = statistics.median(floor) * 1e3
     rows = []
