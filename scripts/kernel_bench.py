@@ -48,18 +48,20 @@ def main() -> int:
     out = np.empty_like(grad)
     limit = np.float32(np.quantile(np.abs(grad + residual)[::50], 1.0 - args.candidates))
     positions = np.empty(int(args.numel * args.candidates * 2) + 1024, dtype=np.int64)
+    values = np.empty(positions.size, dtype=np.float32)
     a, b, c = torch.from_numpy(grad), torch.from_numpy(residual), torch.from_numpy(out)
     zeroed = grad.copy()
     rows = [
         ("torch.add(a, b, out=c) (floor)", lambda: torch.add(a, b, out=c)),
-        ("compensate_scan", lambda: _native.compensate_scan(grad, residual, out, limit, positions, False, True)),
+        ("compensate_scan", lambda: _native.compensate_scan(grad, residual, out, limit, positions, values,
+                                                            False, True)),
         ("compensate_scan, flags only", lambda: _native.compensate_scan(grad, residual, out, np.float32(np.inf),
-                                                                        positions[:0], False, False)),
+                                                                        positions[:0], values[:0], False, False)),
         ("compensate_scan, zeroing the gradient", lambda: _native.compensate_scan(
-            zeroed, residual, out, limit, positions, True, True)),  # zeros after the first call: no hits
-        ("scan", lambda: _native.scan(out, limit, positions)),
+            zeroed, residual, out, limit, positions, values, True, True)),  # zeros after the first call: no hits
+        ("scan", lambda: _native.scan(out, limit, positions, values)),
     ]
-    found = _native.compensate_scan(grad, residual, out, limit, positions, False, True)[0]
+    found = _native.compensate_scan(grad, residual, out, limit, positions, values, False, True)[0]
     print(f"{args.numel:,} float32, {found:,} at or above the threshold, 1 thread, medians of {args.repeats}")
     for name, call in rows:
         print(f"{name:40s} {_median_ms(call, args.repeats):7.2f} ms")

@@ -35,6 +35,7 @@ SIMS=(
     "topk3-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.03,$TOPK"
     "topk1-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.01,$TOPK"
     "topk1-step|topk:density=0.01,values=qsgd-ans,indices=rice"
+    "topk1-step-fp16|topk:density=0.01,values=fp16,indices=rice"
 )
 
 TIMED=(

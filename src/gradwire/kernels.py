@@ -69,6 +69,8 @@ class Scan(NamedTuple):
     finite: bool
     nonzero: bool
     values: Optional[np.ndarray] = None
+    #: how many passed (also when they did not fit)
+    count: int = 0
 
 
 def _room(capacity: int, dtype: np.dtype) -> "tuple[np.ndarray, np.ndarray]":
@@ -78,8 +80,8 @@ def _room(capacity: int, dtype: np.dtype) -> "tuple[np.ndarray, np.ndarray]":
 
 def _found(found: int, positions: np.ndarray, values: np.ndarray, finite: bool, nonzero: bool) -> Scan:
     if found > positions.size:
-        return Scan(None, bool(finite), bool(nonzero), None)
-    return Scan(positions[:found], bool(finite), bool(nonzero), values[:found])
+        return Scan(None, bool(finite), bool(nonzero), None, int(found))
+    return Scan(positions[:found], bool(finite), bool(nonzero), values[:found], int(found))
 
 
 def scan(values: np.ndarray, limit: Any, capacity: int) -> Scan:

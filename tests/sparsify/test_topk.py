@@ -145,3 +145,16 @@ def test_fused_compensate_and_select_equals_compensate_then_select(shape: str, w
     assert torch.equal(torch.sort(magnitudes[fused]).values, torch.sort(magnitudes[expected]).values)
     if shape != "ties":  # distinct values: the positions themselves are determined
         assert torch.equal(fused, expected)
+
+
+@pytest.mark.parametrize("rows, columns", [(2048, 2048), (768, 3072), (4096, 1024), (1000, 1000)])
+def test_the_threshold_sample_walks_every_column_of_a_weight(rows: int, columns: int) -> None:
+    # a stride dividing the row length sampled the same few columns of every row (issue 17's MLP)
+    from gradwire.sparsify.topk import SAMPLE_SIZE, sample_stride
+
+    numel = rows * columns
+    stride = sample_stride(numel)
+    assert all(stride % d for d in range(2, int(stride ** 0.5) + 1)), "the stride is prime"
+    assert 0.5 * numel / SAMPLE_SIZE <= stride <= numel / SAMPLE_SIZE
+    sampled_columns = {position % columns for position in range(0, numel, stride)}
+    assert len(sampled_columns) >= min(columns, numel // stride) * 0.99
