@@ -132,39 +132,14 @@ def unary_quotients(words: np.ndarray, tail: np.ndarray, quotients: np.ndarray) 
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def pick_top(magnitudes: np.ndarray, k: int, source: np.ndarray, where: np.ndarray, positions: np.ndarray,
-             values: np.ndarray) -> int:
-    """The ``k`` largest ``magnitudes`` (``0 < k < n``; no NaN among them), ties at the k-th kept
-    in order: ``positions[i] = where[j]`` and ``values[i] = source[j]`` for each chosen ``j``,
-    ascending in ``j``. The numpy path's answer exactly (``np.partition`` for the k-th, then
-    everything above it and the first ties). Returns k."""
-    n = magnitudes.size
-    kth = np.partition(magnitudes, n - k)[n - k]
-    above = 0
-    for j in range(n):
-        above += magnitudes[j] > kth
-    tied = k - above  # the first `tied` elements equal to the k-th are kept
-    found = 0
-    for j in range(n):
-        m = magnitudes[j]
-        if m > kth or (m == kth and tied > 0):
-            if m == kth:
-                tied -= 1
-            positions[found] = where[j]
-            values[found] = source[j]
-            found += 1
-    return found
-
-
-@numba.njit(nogil=True, boundscheck=False, cache=True)
 def compensate_top(grad: np.ndarray, residual: np.ndarray, add: bool, out: np.ndarray, k: int, largest: float,
                    positions: np.ndarray, values: np.ndarray) -> int:
     """``out = grad + residual`` (``out = grad`` unless ``add``) and the ``k`` largest ``|out|``
     (``0 < k < n``) into ``positions`` (ascending) and ``values``: the numpy path's answer
-    exactly (NaN ranks below every number, an infinity counts as ``largest``, the dtype's
-    largest finite value, as ``nan_to_num`` makes it; ties at the k-th keep the first
-    positions). For small tensors, where the per-call overhead of the torch/numpy path's eight
-    calls is what costs. Returns k."""
+    exactly (``np.partition`` for the k-th, then everything above it and the first ties; NaN
+    ranks below every number, an infinity counts as ``largest``, the dtype's largest finite
+    value, as ``nan_to_num`` makes it). For small tensors, where the per-call overhead of the
+    torch/numpy path's eight calls is what costs. Returns k."""
     n = out.size
     magnitudes = np.empty(n, dtype=out.dtype)
     for i in range(n):
@@ -174,8 +149,21 @@ def compensate_top(grad: np.ndarray, residual: np.ndarray, add: bool, out: np.nd
         magnitudes[i] = -1.0 if m != m else min(m, largest)
     # numba's partition is slower than numpy's on large arrays (a top-k among 10k candidates:
     # 180 us against 40 us here), so only small tensors take this path
-    return pick_top(magnitudes, k, out, np.arange(n), positions, values)
-
+    kth = np.partition(magnitudes, n - k)[n - k]
+    above = 0
+    for i in range(n):
+        above += magnitudes[i] > kth
+    tied = k - above  # the first `tied` elements equal to the k-th are kept
+    found = 0
+    for i in range(n):
+        m = magnitudes[i]
+        if m > kth or (m == kth and tied > 0):
+            if m == kth:
+                tied -= 1
+            positions[found] = i
+            values[found] = out[i]
+            found += 1
+    return found
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)

@@ -17,11 +17,13 @@ that finds the cache pays about 1 s for numba's start-up and the load at its fir
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, NamedTuple, Optional
+from types import ModuleType
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-_compiled: Optional[dict[str, Callable[..., Any]]] = None
+#: the compiled kernels' module (gradwire._native), once imported; None without numba
+_compiled: Optional[ModuleType] = None
 _tried = False
 
 
@@ -30,7 +32,7 @@ def available() -> bool:
     return _kernels() is not None
 
 
-def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
+def _kernels() -> Optional[ModuleType]:
     global _compiled, _tried
     if _tried:
         return _compiled
@@ -41,10 +43,7 @@ def _kernels() -> Optional[dict[str, Callable[..., Any]]]:
         from . import _native  # imports numba
     except ImportError:  # the optional extra is not installed: callers keep the torch/numpy path
         return None
-    _compiled = {"compensate_scan": _native.compensate_scan, "scan": _native.scan,
-                 "unary_quotients": _native.unary_quotients, "compensate_top": _native.compensate_top,
-                 "add_at": _native.add_at, "rice_shifted_sums": _native.rice_shifted_sums,
-                 "rice_write": _native.rice_write}
+    _compiled = _native
     return _compiled
 
 
@@ -99,17 +98,17 @@ def scan(values: np.ndarray, limit: Any, capacity: int) -> Scan:
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
-    kernels = _require()
+    native = _require()
     positions, found_values = _room(capacity, values.dtype)
-    found, finite, nonzero = kernels["scan"](values, limit, positions, found_values)
+    found, finite, nonzero = native.scan(values, limit, positions, found_values)
     return _found(found, positions, found_values, finite, nonzero)
 
 
-def _require() -> dict[str, Callable[..., Any]]:
-    kernels = _kernels()
-    if kernels is None:
+def _require() -> ModuleType:
+    native = _kernels()
+    if native is None:
         raise RuntimeError("gradwire.kernels: numba is not available (pip install gradwire[fast])")
-    return kernels
+    return native
 
 
 def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: np.ndarray, limit: Any,
@@ -135,14 +134,14 @@ def compensate_and_scan(grad: np.ndarray, residual: Optional[np.ndarray], out: n
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
-    kernels = _require()
+    native = _require()
     if residual is None:  # nothing to add: copy, then scan the copy (out = grad: the same flags)
         np.copyto(out, grad)
         if zero_grad:
             grad.fill(0)
         return scan(out, limit, capacity)
     positions, values = _room(capacity, out.dtype)
-    found, finite, nonzero = kernels["compensate_scan"](grad, residual, out, limit, positions, values, zero_grad, True)
+    found, finite, nonzero = native.compensate_scan(grad, residual, out, limit, positions, values, zero_grad, True)
     return _found(found, positions, values, finite, nonzero)
 
 
@@ -160,7 +159,7 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
-    kernels = _require()
+    native = _require()
     if residual is None:
         np.copyto(out, grad)
         finite, nonzero = bool(np.isfinite(out).all()), bool(out.any())
@@ -168,7 +167,7 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
             grad.fill(0)
         return finite, nonzero
     # the same pass without looking for positions: only the flags are wanted
-    _, finite, nonzero = kernels["compensate_scan"](grad, residual, out, out.dtype.type(np.inf),
+    _, finite, nonzero = native.compensate_scan(grad, residual, out, out.dtype.type(np.inf),
                                                     np.empty(0, dtype=np.int64), np.empty(0, dtype=out.dtype),
                                                     zero_grad, False)
     return bool(finite), bool(nonzero)
@@ -183,12 +182,12 @@ def unary_quotients(stream: np.ndarray, count: int) -> Optional[np.ndarray]:
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
-    kernels = _require()
+    native = _require()
     whole = stream.size - stream.size % 8
     words = np.frombuffer(stream[:whole].tobytes() if not stream.flags.c_contiguous else stream[:whole],
                           dtype="<u8")
     quotients = np.empty(count, dtype=np.int64)
-    found = kernels["unary_quotients"](words.astype(np.uint64, copy=False), stream[whole:], quotients)
+    found = native.unary_quotients(words.astype(np.uint64, copy=False), stream[whole:], quotients)
     return quotients if found == count else None
 
 
@@ -210,9 +209,9 @@ def compensate_and_top(grad: np.ndarray, residual: Optional[np.ndarray], out: np
     Raises:
         RuntimeError: the kernels are not :func:`available`.
     """
-    kernels = _require()
+    native = _require()
     positions, values = np.empty(k, dtype=np.int64), np.empty(k, dtype=out.dtype)
-    kernels["compensate_top"](grad, grad if residual is None else residual, residual is not None, out, k,
+    native.compensate_top(grad, grad if residual is None else residual, residual is not None, out, k,
                               np.finfo(out.dtype).max, positions, values)
     return positions, values
 
@@ -237,7 +236,7 @@ def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha:
         IndexError: a position outside ``target`` (the ones before it were added).
         RuntimeError: the kernels are not :func:`available`.
     """
-    status = _require()["add_at"](target, positions, values, alpha)
+    status = _require().add_at(target, positions, values, alpha)
     if status < 0:
         raise IndexError(f"add_at: a position outside [0, {target.size})")
     return status == 0
@@ -251,7 +250,7 @@ def rice_shifted_sums(indices: np.ndarray, low: int, count: int) -> np.ndarray:
         RuntimeError: the kernels are not :func:`available`.
     """
     sums = np.zeros(count, dtype=np.int64)
-    _require()["rice_shifted_sums"](indices, low, sums)
+    _require().rice_shifted_sums(indices, low, sums)
     return sums
 
 
@@ -266,5 +265,5 @@ def rice_section(indices: np.ndarray, parameter: int, unary_bits: int) -> bytes:
     unary_start = 1 + (indices.size * parameter + 7) // 8
     section = np.zeros(unary_start + (unary_bits + 7) // 8, dtype=np.uint8)
     section[0] = parameter
-    _require()["rice_write"](indices, parameter, section, unary_start)
+    _require().rice_write(indices, parameter, section, unary_start)
     return section.tobytes()
