@@ -30,6 +30,7 @@ class SharedSupportAllReduce(ExchangeStrategy):
         with context.stats.timer("encode"):
             pieces = [torch.zeros(e.indices.numel(), dtype=e.compensated.dtype, device=e.compensated.device)
                       if e.unused else e.compensated[e.indices] for e in group.entries]
+            positions = [e.offset + e.indices for e in group.entries]  # in the group's flat space
             sent = torch.cat(pieces).to(wire_dtype) if pieces else torch.zeros(0, dtype=wire_dtype)
             flag = torch.tensor([0.0 if group.finite else 1.0], dtype=wire_dtype, device=sent.device)
             message = torch.cat([sent, flag]).to(device)
@@ -48,11 +49,14 @@ class SharedSupportAllReduce(ExchangeStrategy):
                 group.digest = digest_of([summed])
                 averaged = summed[:-1].to(dtype) / group.divisor
                 out = group.output_buffer(dtype)
+                # one scatter into the output and one cast of what was sent for the whole group:
+                # per entry only the residual's update remains (ResNet-18: 62 entries, a few us each)
+                out[torch.cat(positions)] = averaged
+                kept = sent.to(device=device, dtype=dtype)
                 position = 0
                 for entry in group.entries:
                     k = entry.indices.numel()
-                    out[entry.offset + entry.indices] = averaged[position: position + k]
-                    group.keep(entry, entry.indices, sent[position: position + k].to(device))
+                    group.keep(entry, entry.indices, kept[position: position + k])
                     position += k
                 group.write(out)
 
