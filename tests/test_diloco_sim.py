@@ -28,6 +28,9 @@ CASES = {  # name -> (world size, DiLoCo options)
                                     "feedback_decay": 0.9, "fragments": 2, "overlap_steps": 1}),
     "unsent-model": (3, {"compressor": "topk", "density": 0.1, "collective": "allgather", "unsent": "model"}),
     "unsent-model-int4-overlap": (3, {"quantize": "int4", "unsent": "model", "overlap_steps": 2}),
+    "fragments-overlap-carry": (2, {"fragments": 2, "overlap_steps": 1, "overlap_merge": "carry"}),
+    "unsent-model-topk-overlap-carry": (2, {"compressor": "topk", "density": 0.2, "collective": "allgather",
+                                            "unsent": "model", "overlap_steps": 1, "overlap_merge": "carry"}),
     "int8": (3, {"quantize": "int8"}),
     "int8-warmup": (3, {"quantize": "int8", "warmup_steps": 3, "warmup_quantize": "int8"}),
     # exact warm-up steps on 2 ranks: gloo's ring sums 3 ranks' dense buffers in another order

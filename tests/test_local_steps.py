@@ -118,11 +118,33 @@ def test_fragments_stride_equal_layers_and_balance_unequal_ones() -> None:
     ({"sync_every": 4, "warmup_steps": 5, "warmup_quantize": "int8", "warmup_exact_steps": 6},
      r"warmup_exact_steps=6 must be an integer in \[0, warmup_steps=5\]"),
     ({"sync_every": 4, "warmup_steps": 5, "warmup_exact_steps": 2}, "warmup_exact_steps needs warmup_quantize"),
+    ({"sync_every": 4, "overlap_merge": "blend"}, "overlap_merge='blend' is not supported; allowed: mix, carry"),
 ])
 def test_invalid_options_name_the_option(options: dict, message: str) -> None:
     model = _model()
     with pytest.raises(ValueError, match=message):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_the_overlap_merges_mix_or_carry_the_steps_taken_in_flight(carry: bool) -> None:
+    from gradwire.local_steps.outer import OuterState, sgd_factory
+
+    local = [torch.nn.Parameter(torch.tensor([1.0, 2.0])), torch.nn.Parameter(torch.tensor([[3.0]]))]
+    state = OuterState(local, [[0, 1]], sgd_factory(1.0, 0.0, False))  # θ = (1, 2, 3)
+    with torch.no_grad():
+        local[0].sub_(torch.tensor([0.5, 0.5]))  # the period's local steps: θ_local = (0.5, 1.5, 3)
+    delta = state.pseudo_gradient(0, torch.zeros(3), keep_start=carry)
+    assert delta.tolist() == [0.5, 0.5, 0.0]
+    with torch.no_grad():
+        local[1].add_(1.0)  # one inner step while the exchange is in flight: θ_local = (0.5, 1.5, 4)
+    state.apply(0, torch.tensor([0.25, 0.25, 0.25]))  # the average; SGD lr 1: θ = (0.75, 1.75, 2.75)
+    state.merge(0, 0.5, carry=carry)
+    if carry:  # θ plus the in-flight step, whole; the start is dropped
+        assert torch.cat([p.detach().reshape(-1) for p in local]).tolist() == [0.75, 1.75, 3.75]
+        assert state.starts == {}
+    else:  # Streaming DiLoCo's mix, α = 0.5
+        assert torch.cat([p.detach().reshape(-1) for p in local]).tolist() == [0.625, 1.625, 3.375]
 
 
 def test_one_rank_without_a_process_group() -> None:
@@ -447,7 +469,8 @@ def worker_resume(rank: int, world_size: int, options: dict, stop: int) -> dict:
     ({"compressor": "topk", "density": 0.2, "collective": "allgather"}, 5),
     ({"quantize": "int8", "fragments": 2}, 7),
     ({"fragments": 2, "overlap_steps": 1}, 6),  # saved while fragment 1's exchange is in flight
-], ids=["allgather-mid-period", "int8-fragments", "overlap-in-flight"])
+    ({"fragments": 2, "overlap_steps": 1, "overlap_merge": "carry"}, 6),  # the same, with the start kept
+], ids=["allgather-mid-period", "int8-fragments", "overlap-in-flight", "overlap-carry-in-flight"])
 def test_a_checkpoint_mid_period_resumes_exactly(options: dict, stop: int) -> None:
     results = run_workers(worker_resume, 2, options, stop, timeout=150)
     for result in results:

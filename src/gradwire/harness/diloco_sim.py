@@ -70,14 +70,14 @@ class SimulatedDiLoCo:
     def __init__(self, workers: int, total_steps: int, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, feedback_decay: float = 1.0, merge_alpha: float = 0.5,
-                 unsent: str = "residual", warmup_quantize: Optional[str] = None,
+                 overlap_merge: str = "mix", unsent: str = "residual", warmup_quantize: Optional[str] = None,
                  warmup_exact_steps: int = 0, compressor: str = "none",
                  **options: Any) -> None:
         self.local = LocalStepsConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                       nesterov=nesterov, warmup_steps=warmup_steps, fragments=fragments,
                                       overlap_steps=overlap_steps, feedback_decay=feedback_decay,
-                                      merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize,
-                                      warmup_exact_steps=warmup_exact_steps)
+                                      merge_alpha=merge_alpha, overlap_merge=overlap_merge, unsent=unsent,
+                                      warmup_quantize=warmup_quantize, warmup_exact_steps=warmup_exact_steps)
         self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
         self.workers, self.total_steps = workers, total_steps
         self.exchange = SimulatedExchange(self.config, workers)
@@ -172,6 +172,11 @@ class SimulatedDiLoCo:
         every = [n for n, _ in models[0].named_parameters()]
         self.tensor_ids = [every.index(n) for n, _ in named]
 
+    @property
+    def _carries(self) -> bool:
+        """Whether an overlapped sync merges by carrying the steps taken meanwhile (it keeps θ_local's start)."""
+        return self.local.overlap_steps > 0 and self.local.overlap_merge == "carry"
+
     def _in_sync(self) -> bool:
         return self.local.fragments == 1 and self.local.overlap_steps == 0 and self.local.unsent == "residual" \
             and (self.steps_done - self.origin) % self.local.sync_every == 0
@@ -183,7 +188,7 @@ class SimulatedDiLoCo:
             groups = []
             for worker, state in enumerate(self.outer):
                 members, offsets = state.fragments[fragment], state.offsets[fragment]
-                delta = state.pseudo_gradient(fragment, self.deltas[worker][fragment])
+                delta = state.pseudo_gradient(fragment, self.deltas[worker][fragment], keep_start=self._carries)
                 feedback_input(delta, self.exchange.feedback[worker], self.local.feedback_decay, members, offsets,
                                self.keys[worker])
                 groups.append(fragment_group(delta, state.parameters, members, offsets, self.keys[worker],
@@ -209,6 +214,7 @@ class SimulatedDiLoCo:
         assert self._pending is not None
         fragments, _, averaged, buffers = self._pending
         self._pending = None
+        carry = alpha is None and self._carries
         if alpha is None:
             alpha = self.local.merge_alpha if self.local.overlap_steps else 0.0
         model_holds = into_model and self.local.unsent == "model"
@@ -217,9 +223,9 @@ class SimulatedDiLoCo:
                 state.apply(fragment, result.clone())
                 if model_holds:
                     unsent_to_model(state, fragment, self.exchange.feedback[worker], self.keys[worker], alpha,
-                                    self.local.feedback_decay)
+                                    self.local.feedback_decay, carry=carry)
                 else:
-                    state.merge(fragment, alpha)
+                    state.merge(fragment, alpha, carry=carry)
             if buffers is not None:
                 with torch.no_grad():
                     position = 0

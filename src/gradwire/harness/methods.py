@@ -61,9 +61,10 @@ PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": 
 DILOCO_KEYS = {"sync_every": int, "outer_lr": float, "outer_momentum": float, "nesterov": "bool",
                "warmup_steps": int, "fragments": int, "overlap": int, "decay": float, "merge_alpha": float,
                "unsent": "unsent", "inner": "inner", "warmup_quantize": "warmup_quantize",
-               "warmup_exact": int}
+               "warmup_exact": int, "merge": "merge"}
 #: spec keys of ``diloco`` whose DiLoCo keyword differs
-_DILOCO_NAMES = {"overlap": "overlap_steps", "decay": "feedback_decay", "warmup_exact": "warmup_exact_steps"}
+_DILOCO_NAMES = {"overlap": "overlap_steps", "decay": "feedback_decay", "warmup_exact": "warmup_exact_steps",
+                 "merge": "overlap_merge"}
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class MethodSpec:
 def _kind_name(kind: Any) -> str:
     return {"bool": "true/false", "hierarchy": "'auto' or number of ranks per node",
             "unsent": "residual|model", "inner": "none|ddp (DDP inside each node)",
-            "warmup_quantize": "int8|int4"}.get(kind, getattr(kind, "__name__", str(kind)))
+            "warmup_quantize": "int8|int4", "merge": "mix|carry"}.get(kind, getattr(kind, "__name__", str(kind)))
 
 
 def spec_help(width: int = 100) -> str:
@@ -181,9 +182,9 @@ def _convert(spec: str, key: str, raw: str, kind: Any) -> Any:
             return raw.lower() in ("true", "1", "yes")
         if kind == "hierarchy":  # ranks per node, or "auto" (torchrun's LOCAL_WORLD_SIZE)
             return raw if raw == "auto" else int(raw)
-        if kind in ("unsent", "inner", "warmup_quantize"):
+        if kind in ("unsent", "inner", "warmup_quantize", "merge"):
             if raw not in {"unsent": ("residual", "model"), "inner": ("none", "ddp"),
-                           "warmup_quantize": ("int8", "int4")}[kind]:
+                           "warmup_quantize": ("int8", "int4"), "merge": ("mix", "carry")}[kind]:
                 raise ValueError(raw)
             return raw
         return kind(raw)

@@ -98,7 +98,11 @@ class DiLoCo:
             ``params`` are float32 tensors shaped like the model's parameters.
         feedback_decay: β of SparseLoCo's rule ``e <- β e + Δ`` (1: plain error feedback).
         merge_alpha: α of the overlap merge ``θ_local <- α θ_local + (1 - α) θ`` (Streaming DiLoCo's
-            mixing; used only with ``overlap_steps`` > 0).
+            mixing; used only with ``overlap_steps`` > 0 and ``overlap_merge="mix"``).
+        overlap_merge: how an overlapped sync's θ meets the τ inner steps taken while it was in
+            flight: ``"mix"`` (Streaming DiLoCo's α mix, above) or ``"carry"`` (``θ_local <- θ +
+            (θ_local - θ_local at the sync's start)``: those steps are kept whole on top of the new
+            θ and go into the next Δ; it costs a float32 copy of the fragment while in flight).
         unsent: where what a compressed sync did not send waits: ``"residual"`` (the core's
             error-feedback memory; every rank restarts from θ) or ``"model"`` (each rank restarts
             from ``θ - e``, its own unsent part ``e``, and the residual is emptied: the next Δ carries
@@ -127,7 +131,7 @@ class DiLoCo:
                  process_group: Optional[dist.ProcessGroup] = None, *,
                  outer_optimizer: Optional[OuterOptimizerFactory] = None, feedback_decay: float = 1.0,
                  merge_alpha: float = 0.5, unsent: str = "residual", warmup_quantize: Optional[str] = None,
-                 warmup_exact_steps: int = 0, **options: Any) -> None:
+                 warmup_exact_steps: int = 0, overlap_merge: str = "mix", **options: Any) -> None:
         if "config" in options:
             raise ValueError("DiLoCo takes the exchange's options as keywords, not config=")
         self.local = LocalStepsConfig(
@@ -135,8 +139,8 @@ class DiLoCo:
             outer_optimizer=None if outer_optimizer is None else getattr(outer_optimizer, "__qualname__",
                                                                          type(outer_optimizer).__name__),
             warmup_steps=warmup_steps, fragments=fragments, overlap_steps=overlap_steps,
-            feedback_decay=feedback_decay, merge_alpha=merge_alpha, unsent=unsent, warmup_quantize=warmup_quantize,
-            warmup_exact_steps=warmup_exact_steps)
+            feedback_decay=feedback_decay, merge_alpha=merge_alpha, overlap_merge=overlap_merge, unsent=unsent,
+            warmup_quantize=warmup_quantize, warmup_exact_steps=warmup_exact_steps)
         self.config = ExchangeConfig(compressor=compressor, density=density, value_codec=value_codec,
                                      index_codec=index_codec, collective=collective, quantize=quantize,
                                      error_feedback=error_feedback, **options)
@@ -268,6 +272,11 @@ class DiLoCo:
             if self.local.overlap_steps == 0:
                 self._finish(sync)
 
+    @property
+    def _carries(self) -> bool:
+        """Whether an overlapped sync merges by carrying the steps taken meanwhile (it keeps θ_local's start)."""
+        return self.local.overlap_steps > 0 and self.local.overlap_merge == "carry"
+
     # ------------------------------------------------------------------------------ a sync
     def _start(self, fragments: list[int], finish_at: int) -> _Sync:
         """Compute Δ of ``fragments`` and launch their exchange (one group each) and the buffers'."""
@@ -282,7 +291,7 @@ class DiLoCo:
         feedback = self.pipeline.feedback if self.config.error_feedback else None
         for fragment in fragments:
             members, offsets = self.outer.fragments[fragment], self.outer.offsets[fragment]
-            delta = self.outer.pseudo_gradient(fragment, self._deltas[fragment])
+            delta = self.outer.pseudo_gradient(fragment, self._deltas[fragment], keep_start=self._carries)
             feedback_input(delta, feedback, self.local.feedback_decay, members, offsets, self._keys)
             group = fragment_group(delta, self.parameters, members, offsets, self._keys, self._tensor_ids,
                                    float(self.world_size))
@@ -330,6 +339,7 @@ class DiLoCo:
         if verdict.action == RAISE:
             assert verdict.error is not None
             raise verdict.error
+        carry = alpha is None and self._carries
         if alpha is None:
             alpha = self.local.merge_alpha if self.local.overlap_steps else 0.0
         if verdict.action == SKIP:  # no outer step; every rank drops this period's local progress alike
@@ -343,9 +353,9 @@ class DiLoCo:
                 self.outer.apply(fragment, self._deltas[fragment])
                 if model_holds:
                     unsent_to_model(self.outer, fragment, self.pipeline.feedback, self._keys, alpha,
-                                    self.local.feedback_decay)
+                                    self.local.feedback_decay, carry=carry)
                 else:
-                    self.outer.merge(fragment, alpha)
+                    self.outer.merge(fragment, alpha, carry=carry)
             self.outer_steps += 1
             if sync.buffer_flat is not None:
                 self._write_buffers(sync.buffer_flat)
@@ -383,6 +393,8 @@ class DiLoCo:
                 raise sync.verdict.error  # type: ignore[misc]
             pending = {"fragments": list(sync.fragments), "finish_at": sync.finish_at, "action": sync.verdict.action,
                        "deltas": [self._deltas[f].cpu().clone() for f in sync.fragments],
+                       "starts": [None if f not in self.outer.starts else self.outer.starts[f].cpu().clone()
+                                  for f in sync.fragments],
                        "buffers": None if sync.buffer_flat is None else sync.buffer_flat.cpu().clone()}
         describe = self.describe()
         return {"format": FORMAT, "rank": self.pipeline.rank(), "world_size": self.world_size, "config": describe,
@@ -435,8 +447,12 @@ class DiLoCo:
         self._in_flight, self._last_round = None, []
         pending = state.get("pending")
         if pending is not None:
-            for fragment, delta in zip(pending["fragments"], pending["deltas"]):
+            self.outer.starts = {}
+            for fragment, delta, start in zip(pending["fragments"], pending["deltas"],
+                                              pending.get("starts") or [None] * len(pending["fragments"])):
                 self._deltas[fragment].copy_(delta)
+                if start is not None:
+                    self.outer.starts[fragment] = start.to(self._deltas[fragment].device)
             buffer_flat = None if pending["buffers"] is None else pending["buffers"].to(target)
             self._in_flight = _Sync(list(pending["fragments"]), [], [], int(pending["finish_at"]),
                                     buffer_flat=buffer_flat, verdict=Verdict(pending["action"]))

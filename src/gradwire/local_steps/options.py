@@ -18,6 +18,9 @@ from ..errors import check_choice, is_integer, is_real
 
 #: where what a sync did not send waits: the core's residual, or the rank's own model
 UNSENT = ("residual", "model")
+#: how an overlapped sync's result meets the inner steps taken meanwhile: Streaming DiLoCo's mix
+#: (``merge_alpha``) or carrying those steps over onto the new θ
+OVERLAP_MERGES = ("mix", "carry")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class LocalStepsConfig:
     overlap_steps: int = 0
     feedback_decay: float = 1.0
     merge_alpha: float = 0.5
+    overlap_merge: str = "mix"
     unsent: str = "residual"
     #: the warm-up's gradient exchange: None (dense float32) or "int8" / "int4" (quantized, with error feedback)
     warmup_quantize: Optional[str] = None
@@ -68,6 +72,7 @@ class LocalStepsConfig:
             if not (is_real(self.outer_momentum) and 0 <= self.outer_momentum < 1):
                 raise ValueError(f"outer_momentum={self.outer_momentum!r} must be a number in [0, 1)")
         check_choice("unsent", self.unsent, UNSENT)
+        check_choice("overlap_merge", self.overlap_merge, OVERLAP_MERGES)
         check_choice("warmup_quantize", self.warmup_quantize, (None, "int8", "int4"))
         if not is_integer(self.warmup_exact_steps) or not 0 <= self.warmup_exact_steps <= self.warmup_steps:
             raise ValueError(f"warmup_exact_steps={self.warmup_exact_steps!r} must be an integer in "

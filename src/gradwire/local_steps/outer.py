@@ -13,7 +13,8 @@ fragment f is (docs/local-steps.md tells the whole rule):
    or the simulator's in-process twin) averages the compressed Δ̂ in place;
 4. :meth:`OuterState.apply`: the outer optimizer steps on θ_f with the average as its gradient;
 5. :meth:`OuterState.merge`: ``θ_local,f <- α θ_local,f + (1 - α) θ_f`` (α = 0 without overlap:
-   every worker restarts from the global parameters); with ``unsent="model"``,
+   every worker restarts from the global parameters), or with an overlap's carrying merge
+   ``θ_local,f <- θ_f + (θ_local,f - θ_local,f at the sync's start)``; with ``unsent="model"``,
    :func:`unsent_to_model` merges towards ``θ_f - β e`` instead, ``e`` being this rank's residual
    of the sync (what of its Δ the others did not receive), and empties the residual: the model
    now holds what was not sent, so its next Δ carries it again.
@@ -88,6 +89,9 @@ class OuterState:
         for view in every:
             view.requires_grad_(True)  # optimizers only take tensors that could have a gradient
         self.optimizer = optimizer_factory(every)
+        #: per fragment whose overlapped sync is in flight with the carrying merge: θ_local,f as the
+        #: sync started (float32, fragment-flat)
+        self.starts: dict[int, torch.Tensor] = {}
         self.capture()
 
     def numel(self, fragment: int) -> int:
@@ -101,8 +105,14 @@ class OuterState:
                 view.copy_(self.parameters[index])
 
     @torch.no_grad()
-    def pseudo_gradient(self, fragment: int, out: torch.Tensor) -> torch.Tensor:
-        """Step 1: ``out = θ_f - θ_local,f`` (float32, fragment-flat), returned."""
+    def pseudo_gradient(self, fragment: int, out: torch.Tensor, keep_start: bool = False) -> torch.Tensor:
+        """Step 1: ``out = θ_f - θ_local,f`` (float32, fragment-flat), returned.
+
+        ``keep_start``: also keep a float32 copy of θ_local,f in :attr:`starts` (the carrying merge
+        of an overlapped sync subtracts it, :meth:`merge`)."""
+        if keep_start:
+            self.starts[fragment] = torch.cat([self.parameters[i].detach().reshape(-1).to(torch.float32)
+                                               for i in self.fragments[fragment]])
         for index, offset, view in zip(self.fragments[fragment], self.offsets[fragment], self.global_views[fragment]):
             local = self.parameters[index]
             torch.sub(view.reshape(-1), local.reshape(-1).to(torch.float32), out=out[offset: offset + local.numel()])
@@ -120,21 +130,31 @@ class OuterState:
 
     @torch.no_grad()
     def merge(self, fragment: int, alpha: float = 0.0,
-              held: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
-        """Step 5: ``θ_local,f <- α θ_local,f + (1 - α) (θ_f - held)`` (α = 0: a copy of the target).
+              held: Optional[Sequence[Optional[torch.Tensor]]] = None, carry: bool = False) -> None:
+        """Step 5: ``θ_local,f <- α θ_local,f + (1 - α) (θ_f - held)`` (α = 0: a copy of the target),
+        or with ``carry`` ``θ_local,f <- (θ_f - held) + (θ_local,f - start_f)``: the inner steps
+        taken while the sync was in flight are kept whole on top of the new θ (their progress is
+        then part of the next Δ; nothing is mixed away). ``start_f`` is the copy
+        :meth:`pseudo_gradient` kept (``keep_start``), dropped here; without one it is a plain copy.
 
         Args:
             fragment: f.
-            alpha: the mixing weight of the local parameters, in [0, 1].
+            alpha: the mixing weight of the local parameters, in [0, 1] (ignored with ``carry``).
             held: per parameter of the fragment, a flat float32 tensor to keep back from θ (None:
                 nothing), as :func:`unsent_to_model` passes this rank's residuals.
+            carry: keep the local progress since the sync's start instead of mixing.
         """
-        for position, (index, view) in enumerate(zip(self.fragments[fragment], self.global_views[fragment])):
+        start = self.starts.pop(fragment, None)
+        for position, (index, offset, view) in enumerate(zip(self.fragments[fragment], self.offsets[fragment],
+                                                              self.global_views[fragment])):
             local = self.parameters[index]
             target = view
             if held is not None and held[position] is not None:
                 target = view - held[position].view(view.shape)  # type: ignore[union-attr]
-            if alpha == 0.0:
+            if carry and start is not None:
+                progress = local.to(torch.float32) - start[offset: offset + local.numel()].view(local.shape)
+                local.copy_(target + progress)
+            elif alpha == 0.0 or carry:
                 local.copy_(target)
             else:
                 local.copy_(torch.lerp(target, local.to(torch.float32), alpha))
@@ -183,7 +203,7 @@ def feedback_input(delta: torch.Tensor, feedback: Optional[ErrorFeedback], decay
 
 
 def unsent_to_model(state: OuterState, fragment: int, feedback: Optional[ErrorFeedback], keys: Sequence[Hashable],
-                    alpha: float, decay: float) -> None:
+                    alpha: float, decay: float, carry: bool = False) -> None:
     """Step 5 with ``unsent="model"``: ``θ_local,f <- α θ_local,f + (1 - α) (θ_f - β e)`` per parameter,
     ``e`` its residual after the sync, which is then dropped from ``feedback``: the model holds it.
 
@@ -194,13 +214,14 @@ def unsent_to_model(state: OuterState, fragment: int, feedback: Optional[ErrorFe
         keys: the residual key of each of ``state.parameters``.
         alpha: the overlap's mixing weight (0 without overlap).
         decay: β, the share of the residual the model keeps (1: all of it).
+        carry: :meth:`OuterState.merge`'s carrying merge instead of the mix.
     """
     members = state.fragments[fragment]
     held: list[Optional[torch.Tensor]] = []
     for index in members:
         residual = feedback.residual(keys[index]) if feedback is not None else None
         held.append(None if residual is None else residual.to(torch.float32) * decay)
-    state.merge(fragment, alpha, held)
+    state.merge(fragment, alpha, held, carry=carry)
     if feedback is not None:
         for index in members:
             feedback.clear(keys[index])
