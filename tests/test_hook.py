@@ -192,6 +192,49 @@ def test_nonfinite_gradients(policy: str, nan_step: int) -> None:
         assert all(total == 0.0 for rank_result in results for total in rank_result)
 
 
+def worker_raw_dense(rank: int, world_size: int, policy: str, native_on_rank_1: bool) -> list[float]:
+    """Warm-up (raw dense) steps: the sum is checked where it lands, not the input. A NaN on rank 1
+    at step 2; rank 1 may run without the kernels (the digest's numpy twin must agree with them)."""
+    import os
+
+    from gradwire import kernels
+
+    if rank == 1 and not native_on_rank_1:
+        os.environ["GRADWIRE_NATIVE"] = "0"
+        kernels._tried, kernels._compiled = False, None
+    model = DDP(_model())
+    state = gradwire.CommHookState(compressor="topk", density=0.5, warmup_steps=10, nonfinite=policy, model=model)
+    model.register_comm_hook(state, gradwire.comm_hook)
+    reference = DDP(_model())  # DDP's own AllReduce of the same batches
+    for step in range(3):
+        model.zero_grad()
+        reference.zero_grad()
+        inputs, targets = _batch(rank, step)
+        torch.nn.functional.cross_entropy(reference(inputs), targets).backward()
+        if rank == 1 and step == 2:
+            inputs[0, 0, 0, 0] = float("nan")
+        try:
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        except Exception as error:  # DDP wraps errors raised inside the hook
+            assert step == 2 and "NaN or Inf" in str(error), str(error)
+            return [-1.0]
+        if step < 2:
+            for mine, theirs in zip(model.parameters(), reference.parameters()):
+                assert torch.equal(mine.grad, theirs.grad)
+    assert state.stats()["count_dense_buckets"] > 0
+    return [float(p.grad.abs().sum()) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy, native_on_rank_1", [("raise", True), ("skip", True), ("skip", False)],
+                         ids=["raise", "skip", "skip-rank-1-without-kernels"])
+def test_a_raw_dense_step_checks_its_sum_and_every_rank_agrees(policy: str, native_on_rank_1: bool) -> None:
+    results = run_workers(worker_raw_dense, 2, policy, native_on_rank_1, timeout=60, pg_timeout=10)
+    if policy == "raise":
+        assert results == [[-1.0], [-1.0]]
+    else:
+        assert all(total == 0.0 for rank_result in results for total in rank_result)
+
+
 def worker_checkpoint(rank: int, world_size: int) -> tuple[str, str]:
     options = {"compressor": "topk", "density": 0.05, "momentum_correction": 0.9}
 

@@ -277,3 +277,37 @@ def test_rice_native_encoding_writes_the_numpy_paths_bytes(monkeypatch: pytest.M
                 expected = codec.encode(indices, numel).data
             assert native == expected, (trial, codec.parameter)
             np.testing.assert_array_equal(codec.decode(memoryview(native), numel, count), indices)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("numel", [0, 1, 63, 64, 65, 5000, 70_001])
+def test_divide_and_hash_native_and_numpy_twin_agree(monkeypatch: pytest.MonkeyPatch, dtype: type,
+                                                     numel: int) -> None:
+    values = (np.random.default_rng(numel).standard_normal(numel) * 100).astype(dtype)
+    native_values, twin_values = values.copy(), values.copy()
+    finite, lanes = kernels.divide_and_hash(native_values, 3.0)
+    monkeypatch.setattr(kernels, "_kernels", lambda: None)
+    twin_finite, twin_lanes = kernels.divide_and_hash(twin_values, 3.0)
+    assert finite and twin_finite
+    assert np.array_equal(native_values, twin_values)
+    assert np.array_equal(lanes, twin_lanes)
+    quotients = torch.from_numpy(values.copy()).div_(3.0).numpy()  # the bits torch's div_ gives
+    assert np.array_equal(native_values.view(np.uint8), quotients.view(np.uint8))
+
+
+def test_divide_and_hash_sees_one_changed_bit_and_one_nan_anywhere() -> None:
+    values = np.random.default_rng(0).standard_normal(4099).astype(np.float32)
+    _, reference = kernels.divide_and_hash(values.copy(), 2.0)
+    for position in (0, 63, 64, 2048, 4098):
+        for bit in (0, 17, 31):
+            changed = values.copy()
+            changed.view(np.uint32)[position] ^= np.uint32(1 << bit)
+            finite, lanes = kernels.divide_and_hash(changed, 2.0)
+            assert not np.array_equal(lanes, reference), (position, bit)
+        for bad in (np.nan, np.inf, -np.inf):
+            broken = values.copy()
+            broken[position] = bad
+            assert not kernels.divide_and_hash(broken, 2.0)[0], (position, bad)
+    swapped = values.copy()
+    swapped[[3, 67]] = swapped[[67, 3]]  # the same lane, another order
+    assert not np.array_equal(kernels.divide_and_hash(swapped, 2.0)[1], reference)

@@ -225,3 +225,34 @@ def rice_write(indices: np.ndarray, parameter: int, section: np.ndarray, unary_s
         bit += 1
     if held:
         section[byte] = np.uint8(accumulator & np.uint64(0xFF))
+
+
+#: the lane hash's odd multiplier (a 64-bit golden-ratio constant): lane j ends as the polynomial
+#: sum of its words times powers of it, mod 2**64, so one changed bit always changes its lane
+LANE_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def divide_and_hash(values: np.ndarray, words: np.ndarray, divisor: float, lanes: np.ndarray) -> bool:
+    """``values /= divisor`` in place; then, per block of 64, ``lanes[j] = lanes[j] * M +
+    words[start + j]`` over the quotients' bit patterns (``words`` views ``values``' memory as
+    unsigned integers of its width; a short last block feeds the first lanes). Returns whether
+    every quotient is finite. One read and one write of ``values``: the division, the finiteness
+    test and the hash each used to be a pass of their own."""
+    n = values.size
+    full = n - n % BLOCK
+    finite = True
+    for start in range(0, full, BLOCK):
+        for j in range(BLOCK):
+            x = values[start + j] / divisor
+            values[start + j] = x
+            finite &= abs(x) < np.inf
+        for j in range(BLOCK):  # the block is in cache: its words cost no second read of memory
+            lanes[j] = lanes[j] * LANE_MULTIPLIER + np.uint64(words[start + j])
+    for i in range(full, n):
+        x = values[i] / divisor
+        values[i] = x
+        finite &= abs(x) < np.inf
+    for i in range(full, n):
+        lanes[i - full] = lanes[i - full] * LANE_MULTIPLIER + np.uint64(words[i])
+    return finite

@@ -173,6 +173,54 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
     return bool(finite), bool(nonzero)
 
 
+#: unsigned words of each float width, for :func:`divide_and_hash`
+_WORDS = {4: np.uint32, 8: np.uint64}
+_LANE_MULTIPLIER = 0x9E3779B97F4A7C15  # as gradwire._native.LANE_MULTIPLIER
+_LANES = 64  # as gradwire._native.BLOCK
+#: blocks per chunk of the numpy twin (bounds its uint64 temporaries to 8 MB)
+_TWIN_BLOCKS = 1 << 14
+
+
+def divide_and_hash(values: np.ndarray, divisor: float) -> tuple[bool, np.ndarray]:
+    """``values /= divisor`` in place, whether every quotient is finite, and 64 lanes that hash the
+    quotients' bits: lane j is ``sum over blocks b of word[64 b + j] * M**(B - 1 - b) mod 2**64``
+    (Horner's rule: ``lane = lane * M + word``, B the lane's words), M odd, so one flipped bit always
+    changes the lane. One pass natively; the numpy twin (no numba, ``GRADWIRE_NATIVE=0``) returns the
+    same bits, so ranks with and without the kernels still agree on a digest.
+
+    Args:
+        values: (n,) C-contiguous float32/float64, modified in place.
+        divisor: what to divide by (a division, not a reciprocal's product: the same bits as
+            ``torch.div_``).
+
+    Returns:
+        ``(finite, lanes)``, lanes a (64,) uint64 array.
+    """
+    words = values.view(_WORDS[values.dtype.itemsize])
+    lanes = np.zeros(_LANES, dtype=np.uint64)
+    native = _kernels()
+    if native is not None and values.dtype in DTYPES and values.flags.c_contiguous:
+        finite = native.divide_and_hash(values, words, values.dtype.type(divisor), lanes)
+        return bool(finite), lanes
+    np.divide(values, values.dtype.type(divisor), out=values)
+    finite = bool(np.isfinite(values).all())
+    full = values.size - values.size % _LANES
+    blocks = words[:full].reshape(-1, _LANES)
+    multiplier = np.uint64(_LANE_MULTIPLIER)
+    with np.errstate(over="ignore"):  # arithmetic mod 2**64 is the point
+        for first in range(0, blocks.shape[0], _TWIN_BLOCKS):
+            chunk = blocks[first: first + _TWIN_BLOCKS].astype(np.uint64)
+            count = chunk.shape[0]
+            powers = np.full(count, multiplier, dtype=np.uint64)
+            powers[0] = 1
+            powers = np.cumprod(powers, dtype=np.uint64)[::-1]  # M**(count - 1 - b), wrapping
+            step = powers[0] * multiplier  # M**count
+            lanes = lanes * step + (chunk * powers[:, None]).sum(axis=0, dtype=np.uint64)
+        tail = words[full:].astype(np.uint64)
+        lanes[: tail.size] = lanes[: tail.size] * multiplier + tail
+    return finite, lanes
+
+
 def unary_quotients(stream: np.ndarray, count: int) -> Optional[np.ndarray]:
     """The first ``count`` unary codes of ``stream`` (uint8, bits little-endian within a byte:
     each code is its quotient's zeros, then a one): int64 quotients, or None when the stream

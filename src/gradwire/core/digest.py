@@ -4,7 +4,8 @@ corrupted in flight (:mod:`.round` compares it across ranks).
 Strategies hash what they summed where it is small — each source's decoded ``(positions,
 values)`` for the payload AllGather, the reduced sparse result for the sparse AllReduce —, so the
 check reads ``k`` entries per rank rather than the dense result; a dense AllReduce's result is
-hashed whole (it is dense). On the CPU a tensor's bytes are hashed in place (xxh3, ~1 ms per
+hashed whole (it is dense; on the CPU by the 64 lane hashes its division computes on its way,
+:func:`lanes_digest`). On the CPU a tensor's bytes are hashed in place (xxh3, ~1 ms per
 45 MB here); on a GPU by one integer reduction of its bit patterns, which stays on the device
 until the round's agreement reads every group's at once.
 
@@ -20,10 +21,13 @@ across the replicas of a shard, adds :func:`chain_share`. :func:`agree` is the r
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import numpy
 
 #: a digest: an int (CPU) or a 0-dim int64 tensor still on its device
 Digest = Union[int, torch.Tensor]
@@ -45,6 +49,15 @@ def digest_of(tensors: Sequence[torch.Tensor]) -> Digest:
             hasher.update(int(_bit_sum(flat)).to_bytes(8, "little", signed=True))
         else:
             hasher.update(memoryview(flat.view(torch.uint8).numpy()))
+    return hasher.intdigest() & _MASK63
+
+
+def lanes_digest(tensor: torch.Tensor, lanes: "numpy.ndarray") -> int:
+    """63 bits of a dense CPU result from the 64 lane hashes :func:`gradwire.kernels.divide_and_hash`
+    computed on its way (its dtype and size included, as :func:`digest_of` includes them)."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(f"lanes:{tensor.dtype}:{tensor.numel()};".encode())
+    hasher.update(memoryview(lanes))
     return hasher.intdigest() & _MASK63
 
 

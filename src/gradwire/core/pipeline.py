@@ -10,6 +10,8 @@ by it. Nothing here knows a GradBucket, a Future, FSDP or an optimizer.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
@@ -22,7 +24,7 @@ from . import checkpoint
 from .config import QUANTIZE_BITS, ExchangeConfig
 from .feedback import ErrorFeedback, MomentumCorrection
 from .group import Group, check_entries
-from .planner import COMPENSATE, SELECT, Planner
+from .planner import COMPENSATE, NO_SELECTION, SELECT, Planner
 from .round import APPLY, Round, Verdict
 from .selection import Selection
 from .stats import ExchangeStats
@@ -107,16 +109,22 @@ class Pipeline:
         # the entries the fused selection checks on its way (one read of the bucket fewer); a plan
         # that does not select checks them here after all
         deferred = self.selection.deferrable(group) if self.selection is not None else frozenset()
-        with self.stats.timer("check"):
-            check_entries(group, skip=deferred)
         plan = self._planner.plan(group, step)
-        if plan.selection != SELECT and deferred:
+        raw_dense = plan.strategy == "dense" and (
+            plan.selection == NO_SELECTION or (plan.selection == COMPENSATE and not self._owes(group)))
+        # A raw dense send is checked where its values land: NaN/Inf on any rank reaches every
+        # rank's sum, which the strategy tests on its way (one pass for the division, the test and
+        # the digest), so the input's own pass is not needed. Every other plan checks its input.
+        if not raw_dense:
             with self.stats.timer("check"):
-                check_entries(group, only=deferred)
+                check_entries(group, skip=deferred if plan.selection == SELECT else frozenset())
+        if plan.selection == SELECT and not group.finite and not (
+                self._planner.sparsifier is not None and self._planner.sparsifier.shared_support):
+            plan = dataclasses.replace(plan, selection=NO_SELECTION)  # its exchange announces NaN instead
         if plan.selection == SELECT:
             assert self.selection is not None
             self.selection.run(group, step, deferred=deferred)
-        elif plan.selection == COMPENSATE and (plan.strategy != "dense" or self._owes(group)):
+        elif plan.selection == COMPENSATE and not raw_dense:
             assert self.selection is not None
             self.selection.compensate(group, detect_unused=plan.detect_unused)
         return strategies[plan.strategy].start(group)

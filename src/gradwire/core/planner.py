@@ -54,7 +54,8 @@ class Planner:
     3. a per-rank support: the configured collective, or for ``"auto"`` the cost model's choice for
        the group's layout (computed once per layout; the link and CPU costs are calibrated at
        first use, a blocking collective every rank runs at the same group); a non-finite rank does
-       not select (its exchange announces NaN instead);
+       not select (the pipeline drops the selection once its check found NaN/Inf: its exchange
+       announces NaN instead);
     4. with ``collective="auto"`` (2 and 3) on more than one rank, the round's *policy*
        (:class:`~.online.OnlineChoice`) may override the model: ``"dense"``, or one strategy forced
        on every layout, while a trial measures them, or after it, when one measured faster;
@@ -115,7 +116,7 @@ class Planner:
             group.k = self.target_k(group)
         if strategy == "hierarchical":
             return Plan(strategy, COMPENSATE, detect_unused=False)
-        return Plan(strategy, SELECT if group.finite else NO_SELECTION)
+        return Plan(strategy, SELECT)  # the pipeline drops the selection on a non-finite rank
 
     def target_k(self, group: Group) -> int:
         """The group's k for a second selection: the sum of the sparsifier's per-entry targets
@@ -275,4 +276,4 @@ def plan_shard_group(config: ExchangeConfig, sparsifier: Optional[Sparsifier], g
         return Plan("quantized-reduce-scatter", NO_SELECTION)
     if sparsifier is None or config.collective == "dense":
         return Plan("dense-reduce-scatter", NO_SELECTION)
-    return Plan("sparse-reduce-scatter", SELECT if group.finite else NO_SELECTION)
+    return Plan("sparse-reduce-scatter", SELECT)  # none on a non-finite rank: the pipeline drops it

@@ -7,7 +7,9 @@ import math
 
 import torch
 
+from ... import kernels
 from ...exchange import allreduce_sum, ring_allreduce_bytes
+from ..digest import lanes_digest
 from ..group import Group, all_finite
 from .base import Exchange, ExchangeStrategy
 
@@ -16,8 +18,11 @@ class DenseAllReduce(ExchangeStrategy):
     """1. Flatten the group: the raw gradients, or, when selection ran (``group.compensated``),
        the compensated ones — everything that is owed;
     2. SUM AllReduce it;
-    3. a non-finite sum marks the group non-finite (NaN anywhere reaches every rank through the sum);
-    4. divide by ``group.divisor`` and write; after a compensated send nothing stays behind, so
+    3. divide by ``group.divisor``; a non-finite quotient marks the group non-finite (NaN anywhere
+       reaches every rank through the sum, so a raw send's input is not checked before, see
+       :meth:`~..pipeline.Pipeline.start`); on the CPU the division, that test and the digest
+       are one pass (:func:`~gradwire.kernels.divide_and_hash`);
+    4. write; after a compensated send nothing stays behind, so
        the residuals are cleared (at the round's end, once every rank agreed)."""
 
     name = "dense"
@@ -31,12 +36,21 @@ class DenseAllReduce(ExchangeStrategy):
         divisor = group.divisor
 
         def finish(summed: torch.Tensor) -> None:
-            if not all_finite(summed):
-                group.mark_nonfinite()
-                return
+            if summed.device.type == "cpu" and summed.dtype in (torch.float32, torch.float64) \
+                    and summed.is_contiguous():
+                # one pass: divide, test finiteness and hash the quotients (the round's digest)
+                finite, lanes = kernels.divide_and_hash(summed.detach().numpy(), divisor)
+                if not finite:
+                    group.mark_nonfinite()
+                    return
+                group.digest = lanes_digest(summed, lanes)
+            else:
+                if not all_finite(summed):
+                    group.mark_nonfinite()
+                    return
+                summed.div_(divisor)
             if compensated:
                 group.clear_all()
-            summed.div_(divisor)
             group.write(summed)
 
         summed = allreduce_sum(flat, context.process_group, collective="AllReduce (dense)")
