@@ -1,6 +1,6 @@
 """``collective="auto"`` against every fixed strategy, in one launch per cell (issue 17's matrix).
 
-    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 22]
+    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 22] [--rounds 3]
 
 For each model in {mlp, resnet18} and each link in {loopback, 1 Gbit/s, 100 Mbit/s} (the emulated
 cluster; root) and p in {2, 4}, ``gradwire bench e2e`` trains, in one launch, dense AllReduce,
@@ -12,6 +12,9 @@ The warm-up steps are untimed and long enough for auto's first trial (it starts 
 the first and takes 4 rounds per candidate, at most 3 candidates: so from step 20 on auto runs what
 it chose): the matrix compares steady states. The trial's own cost — 4 rounds under each losing
 candidate, once per 200 rounds — follows from the trial's measured times, which the matrix keeps.
+With ``--rounds N`` each launch repeats the floors and the methods N times, every other round in
+reverse order, and each figure is the median over the rounds (one 8-step run per method swung by
+up to 17% between runs of the same exchange on 2 shared cores); auto's policy is each round's.
 Prints a table and writes
 ``matrix.json``; the raw runs stay in ``--out/<model>-<links>/results.json``.
 """
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
     parser.add_argument("--warmup-steps", type=int, default=22, help="untimed steps first (default 22)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per launch, medians reported (default 3)")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the saved runs")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 command = [sys.executable, "-m", "gradwire", "bench", "e2e", "--model", model, "--data", "synthetic",
                            "--workers", args.workers, "--steps", str(args.steps), "--warmup-steps",
                            str(args.warmup_steps), "--batch-size", str(args.batch_size), "--out", str(folder),
+                           "--rounds", str(args.rounds),
                            *flags, *[arg for spec in METHODS.values() for arg in ("--method", spec)]]
                 print("+", " ".join(command), flush=True)
                 subprocess.run(command, check=True)
@@ -66,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                               **{f"{n}_s": v for n, v in seconds.items()},
                               "fastest_fixed": fastest, "auto_over_fastest": seconds["auto"] / fixed[fastest],
                               "auto_over_dense": seconds["auto"] / seconds["dense"],
-                              "auto_policy": auto_summary.get("policy"),
+                              "auto_policy": "/".join(str(a.get("policy")) for a in
+                                                      by_method[METHODS["auto"]].get("auto_by_round", [auto_summary])),
                               "auto_trial": {k: v for k, v in auto_summary.items() if k.startswith("seconds_")}})
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps(cells, indent=2))

@@ -182,6 +182,8 @@ def _over_rounds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     merged["seconds_per_step_by_round"] = [s["seconds_per_step"] for s in summaries]
     merged["seconds_per_step"] = median(merged["seconds_per_step_by_round"])
     merged["phases"] = {key: median([s["phases"][key] for s in summaries]) for key in summaries[0]["phases"]}
+    if any(s.get("auto") for s in summaries):  # auto may end on another strategy in another round
+        merged["auto_by_round"] = [s.get("auto") or {} for s in summaries]
     failed = [s["status"] for s in summaries if s.get("status", "ok") != "ok"]
     merged["status"] = failed[0] if failed else "ok"
     return merged

@@ -75,6 +75,8 @@ class ExchangeConfig:
     quantize_block: int = field(default=128, metadata=_LATER)
     residual_dtype: str = field(default="float32", metadata=_LATER)
     feedback_decay: float = field(default=1.0, metadata=_LATER)
+    #: the sparsifier's chunk (``chunktopk``); None: the sparsifier's default
+    chunk: Optional[int] = field(default=None, metadata=_LATER)
     collective_timeout: float = field(default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_LOCAL)
     log_every: int = field(default=0, metadata=_LOCAL)
 
@@ -154,8 +156,9 @@ class ExchangeConfig:
     def build_sparsifier(self) -> Optional[Sparsifier]:
         if self.compressor == "none":
             return None
+        options = {} if self.chunk is None else {"chunk": self.chunk}  # refused by sparsifiers without chunks
         return get_sparsifier(self.compressor, density=self.density, k=self.k, threshold=self.threshold,
-                              seed=self.seed)
+                              seed=self.seed, **options)
 
     def build_codecs(self) -> tuple[ValueCodec, IndexCodec]:
         return codec_layer.resolve_codecs(self.value_codec, self.index_codec, dict(self.codec_options))

@@ -40,6 +40,7 @@ HOOK_KEYS = {
     "warmup_steps": ("warmup_steps", int),
     "residuals": ("residual_dtype", str),
     "seed": ("seed", int),
+    "chunk": ("chunk", int),
     "hierarchy": ("hierarchy", "hierarchy"),
     "link_gbit": ("link_gbit", float),
     "bits": ("codec_option:bits", int),

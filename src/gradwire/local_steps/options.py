@@ -21,6 +21,8 @@ UNSENT = ("residual", "model")
 #: how an overlapped sync's result meets the inner steps taken meanwhile: Streaming DiLoCo's mix
 #: (``merge_alpha``) or carrying those steps over onto the new θ
 OVERLAP_MERGES = ("mix", "carry")
+#: options added after checkpoints were written: described only when not at their default
+_LATER = frozenset({"overlap_merge"})
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,10 @@ class LocalStepsConfig:
         return self.sync_every // self.fragments
 
     def describe(self) -> str:
-        """Canonical ``name=value`` text of every option (all must match across ranks)."""
-        return " ".join(f"{field.name}={getattr(self, field.name)!r}" for field in dataclasses.fields(self))
+        """Canonical ``name=value`` text of every option (all must match across ranks); options added
+        later are left out at their defaults, so a checkpoint saved before they existed still loads."""
+        return " ".join(f"{field.name}={getattr(self, field.name)!r}" for field in dataclasses.fields(self)
+                        if not (field.name in _LATER and getattr(self, field.name) == field.default))
 
 
 #: the keywords of DiLoCo that are local-step options (the rest go to the exchange's config)

@@ -5,7 +5,7 @@
 >>> chooser.select(torch.tensor([0.1, -3.0, 0.2, 2.0])).tolist()
 [1, 3]
 >>> sparsify.sparsifiers()
-['gaussian-k', 'nonzero', 'randomblock', 'randomk', 'sampled-topk', 'threshold', 'topk']
+['chunktopk', 'gaussian-k', 'nonzero', 'randomblock', 'randomk', 'sampled-topk', 'threshold', 'topk']
 
 They know nothing of bytes, codecs or ranks; see :mod:`gradwire.sparsify.base` for the
 contract (ascending int64 indices on the input's device) and the amount options.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..sparse import SparseTensor
-from . import gaussian, nonzero, random, sampled, threshold, topk  # noqa: F401  (each registers itself)
+from . import chunked, gaussian, nonzero, random, sampled, threshold, topk  # noqa: F401  (each registers itself)
 from .base import (BudgetSparsifier, DataSizedSparsifier, Sparsifier, get_sparsifier, register_sparsifier,
                    sparsifier_classes)
 from .scope import select_global, select_layerwise

@@ -2,9 +2,9 @@
 
 The positions depend only on ``(seed, step, tensor_id, numel, k)``: they are drawn on the CPU
 from a ``torch.Generator`` seeded by a hash of ``(seed, step, tensor_id)`` (randomblock's one
-start is that hash itself, modulo numel) and then moved to the gradient's device. Drawing on the CPU keeps them identical across ranks whatever their device
-(CUDA random streams can depend on the GPU model's launch configuration); the price is a
-host-to-device copy of the k indices.
+start is that hash itself, modulo numel) and then moved to the gradient's device. Drawing on
+the CPU keeps them identical across ranks whatever their device (CUDA random streams can depend
+on the GPU model's launch configuration); the price is a host-to-device copy of the k indices.
 
 Both set ``shared_support``: all ranks keep the same positions, so the gathered values can be
 summed with a plain AllReduce.
