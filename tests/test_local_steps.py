@@ -160,6 +160,26 @@ def test_one_rank_without_a_process_group() -> None:
     assert _digest(list(model.parameters())) == _global(local)
 
 
+def test_a_forced_sync_averages_plainly_and_leaves_the_outer_optimizer_alone() -> None:
+    model = _model(norm=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = DiLoCo(model, optimizer, sync_every=4, outer_lr=0.7, outer_momentum=0.9)
+    for step in range(6):  # one outer step (a momentum buffer), then two local steps
+        _step(model, optimizer, 0, step)
+    momentum = [local.outer.optimizer.state[v]["momentum_buffer"].clone() for v in local.outer.global_views[0]]
+    local_model = [p.detach().clone() for p in model.parameters()]
+    local.synchronize()
+    # one rank: the average of the local models is the local model (θ - (θ - local), rounded),
+    # whatever the momentum held; an outer SGD step would have added 0.7 * 0.9^2 of its buffer
+    assert all(torch.allclose(v, p, rtol=0, atol=1e-6) for v, p in zip(local.outer.global_views[0], local_model))
+    assert all(torch.equal(local.outer.optimizer.state[v]["momentum_buffer"], m)
+               for v, m in zip(local.outer.global_views[0], momentum))
+    assert local.outer_steps == 1
+    after = [v.detach().clone() for v in local.outer.global_views[0]]
+    local.synchronize()  # nothing new: a no-op
+    assert all(torch.equal(v, a) for v, a in zip(local.outer.global_views[0], after))
+
+
 def test_any_torch_optimizer_as_the_outer_one() -> None:
     model = _model(norm=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -140,7 +140,7 @@ class SimulatedDiLoCo:
                 self._merge()
             if step > self.local.warmup_steps and not self._in_sync():
                 self._start(list(range(self.local.fragments)), 0)
-                self._merge(alpha=0.0, into_model=False)
+                self._merge(alpha=0.0, into_model=False, outer_step=False)
 
     def eval_model(self, models: Sequence[nn.Module]) -> nn.Module:
         """A copy of worker 0's model holding the global parameters θ (what every rank agrees on);
@@ -210,7 +210,7 @@ class SimulatedDiLoCo:
         self.bytes_peak_sync = max(self.bytes_peak_sync, sent)
         self._pending = (fragments, finish_at, averaged, buffers)
 
-    def _merge(self, alpha: Optional[float] = None, into_model: bool = True) -> None:
+    def _merge(self, alpha: Optional[float] = None, into_model: bool = True, outer_step: bool = True) -> None:
         assert self._pending is not None
         fragments, _, averaged, buffers = self._pending
         self._pending = None
@@ -220,7 +220,10 @@ class SimulatedDiLoCo:
         model_holds = into_model and self.local.unsent == "model"
         for worker, state in enumerate(self.outer):
             for fragment, result in zip(fragments, averaged):
-                state.apply(fragment, result.clone())
+                if outer_step:
+                    state.apply(fragment, result.clone())
+                else:  # the front-end's synchronize(): a plain average, no outer step
+                    state.average(fragment, result.clone())
                 if model_holds:
                     unsent_to_model(state, fragment, self.exchange.feedback[worker], self.keys[worker], alpha,
                                     self.local.feedback_decay, carry=carry)
@@ -232,7 +235,7 @@ class SimulatedDiLoCo:
                     for buffer in self.buffers[worker]:
                         buffer.copy_(buffers[position: position + buffer.numel()].view(buffer.shape))
                         position += buffer.numel()
-        self.outer_steps += 1
+        self.outer_steps += int(outer_step)
 
 
 

@@ -198,7 +198,9 @@ class DiLoCo:
         """Force a sync of every fragment now (e.g. before evaluating or saving): afterwards the model
         holds the global parameters θ on every rank, and the local schedule restarts from this step.
         A collective; a no-op when the model already holds θ (in the warm-up, or right after a full
-        sync).
+        sync). The exchanged Δ̂ is averaged into θ plainly (``θ <- θ - mean Δ̂``), not through the
+        outer optimizer: a forced sync is not an outer step (no momentum step, no count in
+        ``outer_steps``), so evaluating often does not push training along.
 
         Raises:
             NonFiniteGradientError, CollectiveError, DivergenceError, StepFailedError, DecodeError:
@@ -210,7 +212,8 @@ class DiLoCo:
         if self._in_flight is not None:
             self._finish(self._in_flight)
         if self._dirty:
-            self._finish(self._start(list(range(self.local.fragments)), finish_at=0), alpha=0.0, into_model=False)
+            self._finish(self._start(list(range(self.local.fragments)), finish_at=0), alpha=0.0, into_model=False,
+                         outer_step=False)
         self.origin = self.inner_steps
 
     def stats(self) -> dict[str, float]:
@@ -327,10 +330,12 @@ class DiLoCo:
         self._counters["bytes_peak_sync"] = max(self._counters["bytes_peak_sync"], sync.bytes_sent)
         self._counters["seconds_sync"] += time.perf_counter() - started
 
-    def _finish(self, sync: _Sync, alpha: Optional[float] = None, into_model: bool = True) -> None:
+    def _finish(self, sync: _Sync, alpha: Optional[float] = None, into_model: bool = True,
+                outer_step: bool = True) -> None:
         """Complete ``sync`` if needed, then act on its verdict: outer step and merge (apply), back to
         θ (skip), or raise the round's typed error (every rank alike; θ unchanged). ``into_model``:
-        with ``unsent="model"``, the residual moves into the model (False: θ exactly, residual kept)."""
+        with ``unsent="model"``, the residual moves into the model (False: θ exactly, residual kept).
+        ``outer_step=False`` (a forced sync): the average goes into θ plainly (:meth:`OuterState.average`)."""
         self._complete(sync)
         started = time.perf_counter()
         self._in_flight = None
@@ -350,13 +355,16 @@ class DiLoCo:
             assert verdict.action == APPLY
             model_holds = into_model and self.local.unsent == "model"
             for fragment in sync.fragments:
-                self.outer.apply(fragment, self._deltas[fragment])
+                if outer_step:
+                    self.outer.apply(fragment, self._deltas[fragment])
+                else:
+                    self.outer.average(fragment, self._deltas[fragment])
                 if model_holds:
                     unsent_to_model(self.outer, fragment, self.pipeline.feedback, self._keys, alpha,
                                     self.local.feedback_decay, carry=carry)
                 else:
                     self.outer.merge(fragment, alpha, carry=carry)
-            self.outer_steps += 1
+            self.outer_steps += int(outer_step)
             if sync.buffer_flat is not None:
                 self._write_buffers(sync.buffer_flat)
         if alpha == 0.0 and len(sync.fragments) == self.local.fragments and not (
