@@ -49,7 +49,9 @@ def test_every_compared_option_reaches_the_description() -> None:
                "nonfinite": "skip", "verify": "none", "link_gbit": 10.0, "link_alpha": 1e-5,
                "residual_dtype": "bfloat16", "feedback_decay": 0.5}
     compared = {f.name for f in dataclasses.fields(HookConfig) if not f.metadata.get("rank_local")}
-    assert compared - {"k", "threshold", "quantize", "quantize_block"} == set(changes)
+    assert compared - {"k", "threshold", "quantize", "quantize_block", "chunk"} == set(changes)
+    chunked = HookConfig(compressor="chunktopk", density=0.05)  # only a chunked sparsifier takes a chunk
+    assert chunked.replace(chunk=64).describe() != chunked.describe() and "chunk" not in base.describe()
     dense = HookConfig(compressor="none")  # the quantized exchange is dense: compared on its own base
     assert dense.replace(quantize="int8").describe() != dense.describe()
     assert dense.replace(quantize="int8", quantize_block=64).describe() != dense.replace(quantize="int8").describe()
