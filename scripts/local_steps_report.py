@@ -34,6 +34,7 @@ TIMED = {
     "int4-h16-warm8-overlap1": ("diloco:sync_every=16,overlap=1+quantize:bits=4", "quantize:bits=8"),
     "int4-h32-b1024": ("diloco:sync_every=32+quantize:bits=4,block=1024", "allreduce"),
     "streaming-f4": ("diloco:sync_every=16,fragments=4,overlap=1", "allreduce"),
+    "streaming-f4-carry": ("diloco:sync_every=16,fragments=4,overlap=1,merge=carry", "allreduce"),
     "topk3-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.03,{_TOPK}", "allreduce"),
     "topk1-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "allreduce"),
     "topk1-model-wq8": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "quantize:bits=8"),

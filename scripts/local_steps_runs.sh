@@ -29,6 +29,9 @@ SIMS=(
     "int4-h16-warm8e100|diloco:sync_every=16,$W,warmup_quantize=int8,warmup_exact=100+quantize:bits=4"
     "int4-h16-warm8-overlap1|diloco:sync_every=16,$W,warmup_quantize=int8,overlap=1+quantize:bits=4"
     "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"
+    "streaming-f4-carry|diloco:sync_every=16,$W,fragments=4,overlap=1,merge=carry"
+    "streaming-f4-noov|diloco:sync_every=16,$W,fragments=4"
+    "topk10-chunk64-fp16|diloco:sync_every=16,$W+chunktopk:density=0.1,chunk=64,values=fp16,indices=rice,collective=allgather"
     "topk10-reset|diloco:sync_every=16,$W+topk:density=0.1,$TOPK"
     "sparseloco3|diloco:sync_every=16,$W,outer_lr=1,outer_momentum=0,decay=0.9+topk:density=0.03,$TOPK"
     "topk10-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.1,$TOPK"
@@ -48,6 +51,7 @@ TIMED=(
     diloco:sync_every=16,overlap=1+quantize:bits=4
     diloco:sync_every=32+quantize:bits=4,block=1024
     diloco:sync_every=16,fragments=4,overlap=1
+    diloco:sync_every=16,fragments=4,overlap=1,merge=carry
     "diloco:sync_every=16,unsent=model+topk:density=0.01,$TOPK"
     "diloco:sync_every=16,unsent=model+topk:density=0.03,$TOPK"
 )
