@@ -35,6 +35,7 @@ TIMED = {
     "int4-h32-b1024": ("diloco:sync_every=32+quantize:bits=4,block=1024", "allreduce"),
     "streaming-f4": ("diloco:sync_every=16,fragments=4,overlap=1", "allreduce"),
     "streaming-f4-carry": ("diloco:sync_every=16,fragments=4,overlap=1,merge=carry", "allreduce"),
+    "streaming-f4-carry-warm8e100": ("diloco:sync_every=16,fragments=4,overlap=1,merge=carry", "quantize:bits=8"),
     "topk3-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.03,{_TOPK}", "allreduce"),
     "topk1-model": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "allreduce"),
     "topk1-model-wq8": (f"diloco:sync_every=16,unsent=model+topk:density=0.01,{_TOPK}", "quantize:bits=8"),

@@ -30,6 +30,7 @@ SIMS=(
     "int4-h16-warm8-overlap1|diloco:sync_every=16,$W,warmup_quantize=int8,overlap=1+quantize:bits=4"
     "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"
     "streaming-f4-carry|diloco:sync_every=16,$W,fragments=4,overlap=1,merge=carry"
+    "streaming-f4-carry-warm8e100|diloco:sync_every=16,$W,warmup_quantize=int8,warmup_exact=100,fragments=4,overlap=1,merge=carry"
     "streaming-f4-noov|diloco:sync_every=16,$W,fragments=4"
     "topk10-chunk64-fp16|diloco:sync_every=16,$W+chunktopk:density=0.1,chunk=64,values=fp16,indices=rice,collective=allgather"
     "topk10-reset|diloco:sync_every=16,$W+topk:density=0.1,$TOPK"
