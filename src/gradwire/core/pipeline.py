@@ -11,7 +11,6 @@ by it. Nothing here knows a GradBucket, a Future, FSDP or an optimizer.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
