@@ -198,9 +198,8 @@ def divide_and_hash(values: np.ndarray, divisor: float) -> tuple[bool, np.ndarra
     """
     words = values.view(_WORDS[values.dtype.itemsize])
     lanes = np.zeros(_LANES, dtype=np.uint64)
-    native = _kernels()
-    if native is not None and values.dtype in DTYPES and values.flags.c_contiguous:
-        finite = native.divide_and_hash(values, words, values.dtype.type(divisor), lanes)
+    if usable(values):
+        finite = _require().divide_and_hash(values, words, values.dtype.type(divisor), lanes)
         return bool(finite), lanes
     np.divide(values, values.dtype.type(divisor), out=values)
     finite = bool(np.isfinite(values).all())

@@ -172,11 +172,6 @@ class SimulatedDiLoCo:
         every = [n for n, _ in models[0].named_parameters()]
         self.tensor_ids = [every.index(n) for n, _ in named]
 
-    @property
-    def _carries(self) -> bool:
-        """Whether an overlapped sync merges by carrying the steps taken meanwhile (it keeps θ_local's start)."""
-        return self.local.overlap_steps > 0 and self.local.overlap_merge == "carry"
-
     def _in_sync(self) -> bool:
         return self.local.fragments == 1 and self.local.overlap_steps == 0 and self.local.unsent == "residual" \
             and (self.steps_done - self.origin) % self.local.sync_every == 0
@@ -188,7 +183,7 @@ class SimulatedDiLoCo:
             groups = []
             for worker, state in enumerate(self.outer):
                 members, offsets = state.fragments[fragment], state.offsets[fragment]
-                delta = state.pseudo_gradient(fragment, self.deltas[worker][fragment], keep_start=self._carries)
+                delta = state.pseudo_gradient(fragment, self.deltas[worker][fragment], keep_start=self.local.carries)
                 feedback_input(delta, self.exchange.feedback[worker], self.local.feedback_decay, members, offsets,
                                self.keys[worker])
                 groups.append(fragment_group(delta, state.parameters, members, offsets, self.keys[worker],
@@ -214,7 +209,7 @@ class SimulatedDiLoCo:
         assert self._pending is not None
         fragments, _, averaged, buffers = self._pending
         self._pending = None
-        carry = alpha is None and self._carries
+        carry = alpha is None and self.local.carries
         if alpha is None:
             alpha = self.local.merge_alpha if self.local.overlap_steps else 0.0
         model_holds = into_model and self.local.unsent == "model"

@@ -275,11 +275,6 @@ class DiLoCo:
             if self.local.overlap_steps == 0:
                 self._finish(sync)
 
-    @property
-    def _carries(self) -> bool:
-        """Whether an overlapped sync merges by carrying the steps taken meanwhile (it keeps θ_local's start)."""
-        return self.local.overlap_steps > 0 and self.local.overlap_merge == "carry"
-
     # ------------------------------------------------------------------------------ a sync
     def _start(self, fragments: list[int], finish_at: int) -> _Sync:
         """Compute Δ of ``fragments`` and launch their exchange (one group each) and the buffers'."""
@@ -294,7 +289,7 @@ class DiLoCo:
         feedback = self.pipeline.feedback if self.config.error_feedback else None
         for fragment in fragments:
             members, offsets = self.outer.fragments[fragment], self.outer.offsets[fragment]
-            delta = self.outer.pseudo_gradient(fragment, self._deltas[fragment], keep_start=self._carries)
+            delta = self.outer.pseudo_gradient(fragment, self._deltas[fragment], keep_start=self.local.carries)
             feedback_input(delta, feedback, self.local.feedback_decay, members, offsets, self._keys)
             group = fragment_group(delta, self.parameters, members, offsets, self._keys, self._tensor_ids,
                                    float(self.world_size))
@@ -344,7 +339,7 @@ class DiLoCo:
         if verdict.action == RAISE:
             assert verdict.error is not None
             raise verdict.error
-        carry = alpha is None and self._carries
+        carry = alpha is None and self.local.carries
         if alpha is None:
             alpha = self.local.merge_alpha if self.local.overlap_steps else 0.0
         if verdict.action == SKIP:  # no outer step; every rank drops this period's local progress alike
@@ -453,9 +448,9 @@ class DiLoCo:
         self._dirty = bool(state["dirty"])
         self._counters.update(state.get("counters", {}))
         self._in_flight, self._last_round = None, []
+        self.outer.starts = {}
         pending = state.get("pending")
         if pending is not None:
-            self.outer.starts = {}
             for fragment, delta, start in zip(pending["fragments"], pending["deltas"],
                                               pending.get("starts") or [None] * len(pending["fragments"])):
                 self._deltas[fragment].copy_(delta)

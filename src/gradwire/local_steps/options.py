@@ -90,6 +90,12 @@ class LocalStepsConfig:
         """Local steps between two syncs (of consecutive fragments): ``sync_every / fragments``."""
         return self.sync_every // self.fragments
 
+    @property
+    def carries(self) -> bool:
+        """Whether an overlapped sync merges by carrying the inner steps taken meanwhile (its start
+        is then kept, :meth:`~.outer.OuterState.pseudo_gradient`)."""
+        return self.overlap_steps > 0 and self.overlap_merge == "carry"
+
     def describe(self) -> str:
         """Canonical ``name=value`` text of every option (all must match across ranks); options added
         later are left out at their defaults, so a checkpoint saved before they existed still loads."""
