@@ -79,6 +79,23 @@ def check_index_codec(codec: IndexCodec, *, max_numel: int | None = None) -> Non
                                                index_codec=codec))
 
 
+def check_index_bound(codec: IndexCodec) -> None:
+    """Where the codec bounds its sections (``max_section_bytes``), every edge case fits, with
+    ``most`` the exact count and a little more; the payload bound holds too."""
+    fp16 = codecs.get_value_codec("fp16")
+    for label, indices, numel in index_cases():
+        if numel > (SCAN_LIMIT if codec.scans_every_position else 1 << 62):
+            continue
+        for most in sorted({indices.size, min(numel, indices.size + 3)}):
+            bound = codec.max_section_bytes(most, numel)
+            if bound is None:
+                return
+            data = codec.encode(indices, numel).data
+            assert len(data) <= bound, f"{codec!r} on {label}: {len(data)} bytes over its bound {bound} (most {most})"
+            payload = codecs.encode_tensors([(torch.ones(indices.size), torch.from_numpy(indices), numel)], codec, fp16)
+            assert payload.bytes_on_wire <= codecs.max_payload_bytes([(most, numel)], codec, fp16), label
+
+
 def value_cases(seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """(label, 1-D float tensor) — finite cases only; non-finite ones are in :func:`nonfinite_cases`."""
     generator = torch.Generator().manual_seed(seed)

@@ -18,6 +18,9 @@ class Fp16Adapter:
         data = struct.pack("<q", indices.numel()) + indices.numpy().astype("<i8").tobytes() + half.numpy().tobytes()
         return data, half.float()
 
+    def max_payload_bytes(self, *, most: int, numel: int) -> int:
+        return 8 + 10 * most
+
     def decode(self, data: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(data) < 8:
             raise DecodeError("short payload")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from gradwire.errors import DecodeError
 from gradwire.exchange.checked import allreduce_sum_exact, exact_allreduce_bytes
 from gradwire.exchange.regions import equal_boundaries
+from gradwire.exchange.region_payload import frame_capacity, from_frame, to_frame
 from gradwire.exchange.sparse_reduce_scatter import RegionStatus, agree_status, sparse_reduce_scatter
 
 from ..distributed import run_workers
@@ -41,6 +42,14 @@ def _scenarios(rank: int, world_size: int, group: dist.ProcessGroup) -> dict:
     out = {"in_indices": idx.tolist(), "in_values": vals.tolist(), "boundaries": bounds}
     out["raw"] = _scatter(indices=idx, values=vals, numel=NUMEL, boundaries=bounds, group=group)
     out["fp16"] = _scatter(indices=idx, values=vals, numel=NUMEL, boundaries=bounds, group=group, codec=Fp16Adapter())
+    # fixed frames: every region's length is a bound on what any rank sends into it
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    out["framed"] = _scatter(indices=idx, values=vals, numel=NUMEL, boundaries=bounds, group=group, most=lengths)
+    out["framed_fp16"] = _scatter(indices=idx, values=vals, numel=NUMEL, boundaries=bounds, group=group,
+                                  codec=Fp16Adapter(), most=lengths)
+    # a bound too small for what the ranks send: their frames say so and every owner fails to decode
+    out["overflow"] = _scatter(indices=idx, values=vals, numel=NUMEL, boundaries=bounds, group=group,
+                               most=[1] * world_size)
     empty = torch.empty(0, dtype=torch.int64)
     out["empty"] = _scatter(indices=empty if rank else idx, values=torch.empty(0) if rank else vals, numel=NUMEL,
                             boundaries=bounds, group=group)
@@ -108,6 +117,20 @@ def test_each_owner_gets_the_rank_order_sum_of_its_region(every_size: list[dict]
         per_owner = torch.bucketize(own, torch.tensor(bounds[1:-1]), right=True).bincount(minlength=world_size)
         payloads = [8 + 10 * int(n) for j, n in enumerate(per_owner) if n and j != rank]  # Fp16Adapter's sizes
         assert fp16["sent"]["reduce-scatter"] == sum(payloads)
+        # fixed frames: the same bits, one round, the frames' capacities on the wire
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        for name, entry in (("raw", 8), ("fp16", 10)):
+            framed = r["framed" if name == "raw" else "framed_fp16"]
+            assert {k: framed[k] for k in ("indices", "values", "contributed", "status")} == \
+                {k: r[name][k] for k in ("indices", "values", "contributed", "status")}
+            header = 0 if name == "raw" else 8
+            capacity = [4 + (header + entry * n if n else 0) for n in lengths]
+            assert framed["sent"] == {"reduce-scatter": sum(capacity) - capacity[rank]}
+        overflow = r["overflow"]
+        if lengths[rank]:  # every rank sends more than one entry into every non-empty region
+            assert overflow["status"] == "decode failed" and "did not fit" in overflow["error"]
+        else:
+            assert overflow["status"] == "ok"
         # only rank 0 contributed: every owner holds exactly rank 0's entries of its region
         assert (r["empty"]["indices"], r["empty"]["values"]) == \
             _rank_order_sum([inputs[0]], bounds[rank], bounds[rank + 1])
@@ -139,6 +162,30 @@ def test_exact_allreduce_bytes_add_up_to_a_ring() -> None:
         per_rank = [exact_allreduce_bytes(words, 4, rank, p) for rank in range(p)]
         assert sum(per_rank) == 2 * (p - 1) * words * 4  # every word reduced once and sent to p-1 peers
     assert exact_allreduce_bytes(100, 4, 0, 1) == 0
+
+
+def test_a_frame_is_read_only_within_its_capacity() -> None:
+    payload = torch.arange(10, dtype=torch.uint8)
+    frame = to_frame(payload, entries=3, most=3, capacity=20)
+    assert frame.numel() == 20 and torch.equal(from_frame(frame, "test"), payload)
+    unaligned = torch.cat([torch.zeros(1, dtype=torch.uint8), frame])[1:]  # frames follow each other unaligned
+    assert torch.equal(from_frame(unaligned, "test"), payload)
+    with pytest.raises(DecodeError, match="did not fit"):
+        from_frame(to_frame(payload, entries=4, most=3, capacity=20), "test")  # more entries than agreed
+    with pytest.raises(DecodeError, match="did not fit"):
+        from_frame(to_frame(payload, entries=3, most=3, capacity=13), "test")  # more bytes than the frame
+    hostile = frame.clone()
+    hostile[:4] = torch.tensor([17], dtype=torch.int32).view(torch.uint8)  # one byte more than it holds
+    with pytest.raises(DecodeError, match="declares"):
+        from_frame(hostile, "test")
+    hostile[:4] = torch.tensor([-7], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(DecodeError, match="declares"):
+        from_frame(hostile, "test")
+    with pytest.raises(DecodeError, match="no length"):
+        from_frame(frame[:3], "test")
+    assert frame_capacity(None, 0, 100, False) == 4 and frame_capacity(None, 5, 100, True) == 4 + 60
+    assert frame_capacity(FailingOnRank(0), 5, 100, False) == 4 + 58  # the adapter's bound
+    assert frame_capacity(object(), 5, 100, False) is None  # a codec without a bound: counts first
 
 
 def test_world_of_one_and_bad_arguments() -> None:

@@ -38,6 +38,7 @@ from .payload import (
     encode,
     encode_sparse,
     encode_tensors,
+    max_payload_bytes,
     resolve_codecs,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "get_index_codec",
     "get_value_codec",
     "index_codecs",
+    "max_payload_bytes",
     "register_index_codec",
     "register_value_codec",
     "resolve_codecs",

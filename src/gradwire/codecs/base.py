@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -116,6 +116,23 @@ class IndexCodec(Codec):
             ValueError: the codec cannot represent this input (e.g. Bloom beyond 2**32 positions).
         """
 
+    def max_section_bytes(self, most: int, numel: int) -> Optional[int]:
+        """The most bytes :meth:`encode` writes for *at most* ``most`` positions of a tensor of
+        ``numel`` (whatever the positions), or None where the codec cannot say in advance.
+
+        A bound lets a receiver size its buffer before anything arrives, so an exchange of such
+        sections needs no round of lengths first (``exchange.sparse_reduce_scatter``'s fixed
+        frames). Codecs without one (the default) are sent after their lengths.
+
+        Args:
+            most: the largest count the sender may have, ``0 <= most <= numel``.
+            numel: the dense size in elements.
+
+        Returns:
+            Bytes, or None.
+        """
+        return None
+
     @abstractmethod
     def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
         """Read ``count`` positions back from a section.
@@ -167,6 +184,19 @@ class ValueCodec(Codec):
             ValueError: the codec cannot represent this input (e.g. NaN/Inf for the
                 quantizers and curve fits).
         """
+
+    def max_section_bytes(self, most: int) -> Optional[int]:
+        """The most bytes :meth:`encode` writes for at most ``most`` values (any float input), or
+        None where the codec cannot say in advance (the default; see
+        :meth:`IndexCodec.max_section_bytes`).
+
+        Args:
+            most: the largest count the sender may have, ``>= 0``.
+
+        Returns:
+            Bytes, or None.
+        """
+        return None
 
     @abstractmethod
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:

@@ -159,6 +159,29 @@ def _check_sparse(values: torch.Tensor, indices: torch.Tensor, numel: int) -> No
     check_support(indices, numel)
 
 
+def max_payload_bytes(tensors: Sequence[tuple[int, int]], index_codec: IndexCodec,
+                      value_codec: ValueCodec) -> "int | None":
+    """The most bytes :func:`encode_tensors` writes for tensors of at most these counts.
+
+    Args:
+        tensors: per tensor ``(most, numel)``: at most ``most`` entries of a tensor of ``numel``.
+        index_codec: the codec of every index section.
+        value_codec: the codec of every value section.
+
+    Returns:
+        Bytes (preamble, records, sections and checksum), or None when either codec cannot bound
+        its sections (:meth:`~.base.IndexCodec.max_section_bytes`).
+    """
+    total = _PREAMBLE.size + _CHECKSUM.size
+    for most, numel in tensors:
+        index_bytes = index_codec.max_section_bytes(most, numel)
+        value_bytes = value_codec.max_section_bytes(most)
+        if index_bytes is None or value_bytes is None:
+            return None
+        total += _RECORD.size + index_bytes + value_bytes
+    return total
+
+
 def encode_tensors(
     tensors: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
     index_codec: IndexCodec,

@@ -5,7 +5,8 @@ rank go on with a buffer the collective did not write. Every function here waits
 and turns any failure into :class:`CollectiveError` (``"<what>: <collective> failed: ..."``).
 
 Every exchange of data runs as ``all_to_all_single`` (works on gloo and NCCL; uneven ones with
-split sizes, after a round that tells every receiver what it gets): gloo has no uneven list
+split sizes, after a round that tells every receiver what it gets unless it knows already,
+:func:`alltoall_sized`): gloo has no uneven list
 ``all_to_all`` and no ``all_gather`` of uneven sizes, padding would make the busiest rank set
 everyone's volume, and a full-mesh exchange lets every survivor notice a dead peer itself (see
 :func:`allgather_tensor`). The one exception is :func:`allreduce_sum_checked`, a plain
@@ -154,6 +155,34 @@ def alltoallv(buffer: torch.Tensor, send_counts: list[int], group: Optional[dist
                                   input_split_sizes=list(send_counts), group=group, async_op=True)
     wait_checked(work, what, collective)
     return received, recv_counts
+
+
+def alltoall_sized(buffer: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                   group: Optional[dist.ProcessGroup], *, what: str, collective: str) -> torch.Tensor:
+    """:func:`alltoallv` when every rank already knows what it receives: one round, no counts.
+
+    Args:
+        buffer: 1-D, the pieces for rank 0, 1, ... concatenated.
+        send_sizes: elements for each rank, ``p`` ints summing to ``len(buffer)``.
+        recv_sizes: elements from each rank (what each sender's ``send_sizes`` holds for this
+            rank: the callers derive both from the same shared numbers).
+        group: the process group (None: the default one).
+        what: the caller, for error messages.
+        collective: the collective's name, for error messages.
+
+    Returns:
+        The received buffer, rank order, ``buffer``'s dtype and device.
+
+    Raises:
+        CollectiveError: the round failed.
+    """
+    if group_size(group) == 1:
+        return buffer.clone()
+    received = torch.empty(sum(recv_sizes), dtype=buffer.dtype, device=buffer.device)
+    work = dist.all_to_all_single(received, buffer, output_split_sizes=list(recv_sizes),
+                                  input_split_sizes=list(send_sizes), group=group, async_op=True)
+    wait_checked(work, what, collective)
+    return received
 
 
 def allgatherv(buffer: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,

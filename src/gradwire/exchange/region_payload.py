@@ -6,6 +6,13 @@ codes it; without one, entries travel raw: the int32 relative index (two int32 w
 is ``2^31`` or more long, :func:`is_wide`) and the float32 value's bits, 8 (12) bytes per entry.
 Nothing to send is zero bytes, whatever the codec. Every decoded payload is checked (indices
 strictly ascending inside the region), so a corrupt one raises :class:`~gradwire.errors.DecodeError`.
+
+**Frames.** Where every rank knows the most entries any rank sends into a region and the codec
+can bound a payload of that many (:meth:`RegionCodec.max_payload_bytes`; raw entries always
+can), payloads travel in fixed frames: an int32 length, the payload, zero padding to the
+frame's capacity (:func:`frame_capacity`). Every receiver then knows its buffer's size before
+anything arrives and the exchange needs no round of lengths first. A payload that does not fit
+(a caller's count was wrong) is sent as a frame of length -1, which no receiver decodes.
 """
 
 from __future__ import annotations
@@ -41,6 +48,67 @@ class RegionCodec(Protocol):
             DecodeError: on bad bytes, and nothing else.
         """
         ...
+
+    # Optional: ``max_payload_bytes(*, most: int, numel: int) -> int | None``, the most bytes
+    # :meth:`encode` returns for at most ``most`` entries of a region of ``numel`` positions
+    # (None: no bound). With it the payloads can travel in fixed frames (module docstring).
+
+
+#: bytes of a frame's length field (int32, the platform's little-endian order)
+FRAME_HEADER = 4
+#: the length field of a payload that did not fit its frame
+OVERFLOW = -1
+
+
+def frame_capacity(codec: Optional[RegionCodec], most: int, length: int, wide: bool) -> Optional[int]:
+    """Bytes of the frame that holds any payload of at most ``most`` entries of a region of
+    ``length`` positions, or None when the codec cannot bound one.
+
+    Args:
+        codec: the adapter, or None for raw entries (8 or 12 bytes each, :func:`is_wide`).
+        most: the most entries any rank sends into the region, ``>= 0``.
+        length: the region's length (positions).
+        wide: :func:`is_wide` of the regions.
+
+    Returns:
+        ``FRAME_HEADER`` plus the payload's bound, or None.
+    """
+    if most <= 0:
+        return FRAME_HEADER
+    if codec is None:
+        return FRAME_HEADER + most * (12 if wide else 8)
+    bound = getattr(codec, "max_payload_bytes", None)
+    payload = None if bound is None else bound(most=min(most, length), numel=length)
+    return None if payload is None else FRAME_HEADER + payload
+
+
+def to_frame(payload: torch.Tensor, entries: int, most: int, capacity: int) -> torch.Tensor:
+    """``payload`` (uint8) in a frame of ``capacity`` bytes; one of length :data:`OVERFLOW` when
+    it holds more than ``most`` entries or more bytes than the frame can."""
+    frame = torch.zeros(capacity, dtype=torch.uint8, device=payload.device)
+    fits = entries <= most and payload.numel() <= capacity - FRAME_HEADER
+    length = payload.numel() if fits else OVERFLOW
+    frame[:FRAME_HEADER] = torch.tensor([length], dtype=torch.int32).view(torch.uint8).to(payload.device)
+    if fits:
+        frame[FRAME_HEADER: FRAME_HEADER + payload.numel()] = payload
+    return frame
+
+
+def from_frame(frame: torch.Tensor, what: str) -> torch.Tensor:
+    """The payload inside one received frame.
+
+    Raises:
+        DecodeError: the frame is too short, says its sender's payload did not fit, or declares
+            more bytes than it holds.
+    """
+    if frame.numel() < FRAME_HEADER:
+        raise DecodeError(f"{what}: a frame of {frame.numel()} bytes has no length field")
+    length = int(frame[:FRAME_HEADER].cpu().clone().view(torch.int32)[0])  # a copy: frames need no alignment
+    if length == OVERFLOW:
+        raise DecodeError(f"{what}: its sender's payload did not fit the frame (more entries than agreed)")
+    if not 0 <= length <= frame.numel() - FRAME_HEADER:
+        raise DecodeError(f"{what}: a frame of {frame.numel()} bytes declares a payload of {length}")
+    return frame[FRAME_HEADER: FRAME_HEADER + length]
 
 
 def is_wide(bounds: Sequence[int]) -> bool:

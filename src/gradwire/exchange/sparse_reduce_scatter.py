@@ -4,14 +4,17 @@ Every rank brings a sparse contribution over a flat space of ``numel`` positions
 caller's ``boundaries`` (``p + 1`` ints, :mod:`.regions`) into ``p`` regions; rank j owns region j
 (for the sparse AllReduce, balanced regions; for a sharded front-end, its shards).
 
-1. **Scatter** (``all_to_all_single``, counts first): each rank sends the entries that fall in
-   region j to rank j, coded by the optional :class:`~.region_payload.RegionCodec` (raw entries
-   without one), indices relative to the region start.
+1. **Scatter** (``all_to_all_single``): each rank sends the entries that fall in region j to
+   rank j, coded by the optional :class:`~.region_payload.RegionCodec` (raw entries without
+   one), indices relative to the region start. Counts first, unless the caller says how many
+   entries any rank may send into each region (``most``) and the codec bounds such payloads:
+   then in fixed frames (:mod:`.region_payload`), one round.
 2. **Reduce**: each owner decodes what it received and sums it in rank order: the same bits on
    any device, run after run, whatever the arrival order.
 
 **Bytes** this rank sends (``sent_by_collective``): ``8 (p-1)`` for the counts, then its coded
-entries outside its own region, about ``(p-1)/p * n`` entries for ``n`` spread evenly.
+entries outside its own region, about ``(p-1)/p * n`` entries for ``n`` spread evenly; with
+frames, the frames' capacities for its peers (no counts).
 
 **Failures and the verdict.** A collective that fails raises :class:`.CollectiveError` on every
 survivor (:mod:`.checked`). A payload this owner cannot decode, or a non-finite sum, does *not*
@@ -36,8 +39,8 @@ import torch.distributed as dist
 
 from ..errors import DecodeError
 from ..sparse import is_support
-from .checked import allreduce_sum_exact, alltoallv, group_rank, group_size
-from .region_payload import RegionCodec, decode_region, encode_region, is_wide
+from .checked import allreduce_sum_exact, alltoall_sized, alltoallv, group_rank, group_size
+from .region_payload import RegionCodec, decode_region, encode_region, frame_capacity, from_frame, is_wide, to_frame
 from .regions import check_boundaries
 
 WHAT = "sparse_reduce_scatter"
@@ -89,7 +92,7 @@ class SparseReduceScatterResult:
 
 def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel: int, boundaries: Sequence[int],
                           group: Optional[dist.ProcessGroup] = None, codec: Optional[RegionCodec] = None,
-                          what: str = WHAT) -> SparseReduceScatterResult:
+                          what: str = WHAT, most: Optional[Sequence[int]] = None) -> SparseReduceScatterResult:
     """Send each region's entries to its owner; return this rank's region summed in rank order.
 
     Args:
@@ -100,6 +103,8 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
         group: the process group (None: the default one; no group initialized: a world of one).
         codec: codes the region payloads (None: raw entries).
         what: names the caller in error messages.
+        most: ``p`` ints, the same on every rank: the most entries any rank sends into each
+            region (fixed frames where the codec can bound them); None: counts first.
 
     Returns:
         :class:`SparseReduceScatterResult`.
@@ -128,15 +133,27 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
                                       lengths[j], wide)
         payloads.append(data)
         contributed.append(decoded)
-    send_counts = [p.numel() for p in payloads]
-    received, recv_counts = alltoallv(torch.cat(payloads), send_counts, group, what=what,
-                                      collective="reduce-scatter all_to_all_single")
-    sent = {"reduce-scatter counts": 8 * (size - 1), "reduce-scatter": sum(send_counts) - send_counts[me]}
+    capacities = _capacities(codec, most, lengths, wide, what)
+    if capacities is None:
+        send_counts = [p.numel() for p in payloads]
+        received, recv_counts = alltoallv(torch.cat(payloads), send_counts, group, what=what,
+                                          collective="reduce-scatter all_to_all_single")
+        sent = {"reduce-scatter counts": 8 * (size - 1), "reduce-scatter": sum(send_counts) - send_counts[me]}
+        chunks = torch.split(received, recv_counts)
+    else:
+        assert most is not None
+        frames = [to_frame(payloads[j], counts[j], int(most[j]), capacities[j]) for j in range(size)]
+        received = alltoall_sized(torch.cat(frames), capacities, [capacities[me]] * size, group, what=what,
+                                  collective="reduce-scatter all_to_all_single (frames)")
+        sent = {"reduce-scatter": sum(capacities) - capacities[me]}
+        chunks = torch.split(received, capacities[me])
 
     status, error, pieces = RegionStatus.OK, None, []
     try:
+        if capacities is not None:
+            chunks = [from_frame(frame, f"{what}: rank {src}'s frame") for src, frame in enumerate(chunks)]
         pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
-                  for src, chunk in enumerate(torch.split(received, recv_counts))]
+                  for src, chunk in enumerate(chunks)]
         region_indices, sums = _reduce(pieces, device)
         if not bool(torch.isfinite(sums).all()):
             status = RegionStatus.NONFINITE
@@ -146,6 +163,18 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
         sums = torch.empty(0, dtype=torch.float32, device=device)
     return SparseReduceScatterResult(region_indices, sums, bounds[me], lengths[me], torch.cat(contributed),
                                      status, error, sent, tuple(pieces))
+
+
+def _capacities(codec: Optional[RegionCodec], most: Optional[Sequence[int]], lengths: list[int], wide: bool,
+                what: str) -> Optional[list[int]]:
+    """Each region's frame capacity, or None (counts first): without ``most``, or where the
+    codec cannot bound a region's payload. Every rank computes the same from the same inputs."""
+    if most is None:
+        return None
+    if len(most) != len(lengths) or any(int(m) < 0 for m in most):
+        raise ValueError(f"{what}: most must hold {len(lengths)} counts >= 0, got {list(most)}")
+    capacities = [frame_capacity(codec, int(m), length, wide) for m, length in zip(most, lengths)]
+    return None if any(c is None for c in capacities) else [int(c) for c in capacities if c is not None]
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ class BitmapIndexCodec(IndexCodec):
             bitmap[byte[first]] = np.bitwise_or.reduceat(bit, first)
         return IndexEncoding(bitmap.tobytes(), indices)
 
+    def max_section_bytes(self, most: int, numel: int) -> int:
+        """See :meth:`IndexCodec.max_section_bytes`: always ``ceil(numel / 8)``."""
+        return (int(numel) + 7) // 8
+
     def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
         require_count(numel, count)
         size = (numel + 7) // 8

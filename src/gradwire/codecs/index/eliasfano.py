@@ -52,6 +52,19 @@ class EliasFanoIndexCodec(IndexCodec):
         high[set_bits] = 1
         return IndexEncoding(low + np.packbits(high, bitorder="little").tobytes(), indices)
 
+    def max_section_bytes(self, most: int, numel: int) -> int:
+        """See :meth:`IndexCodec.max_section_bytes`: the section's size follows from the count
+        alone (the last high part is at most ``(numel - 1) >> l``); the maximum over every count
+        up to ``most``."""
+        counts = np.arange(1, min(int(most), int(numel)) + 1, dtype=np.int64)
+        if counts.size == 0:
+            return 0
+        _, exponent = np.frexp((numel // counts).astype(np.float64))  # exact: floor(log2(x)) = e - 1
+        width = exponent.astype(np.int64) - 1
+        low = (counts * width + 7) // 8
+        high = (((numel - 1) >> width) + counts + 7) // 8
+        return int(np.max(low + high))
+
     def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
         require_count(numel, count)
         if count == 0:

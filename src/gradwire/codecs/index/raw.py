@@ -33,6 +33,10 @@ class RawIndexCodec(IndexCodec):
         data = bytes([width]) + indices.astype(f"<u{width}").tobytes()
         return IndexEncoding(data, indices)
 
+    def max_section_bytes(self, most: int, numel: int) -> int:
+        """See :meth:`IndexCodec.max_section_bytes`: the width byte and ``most`` words."""
+        return 1 + (4 if numel <= 1 << 32 else 8) * int(most)
+
     def decode(self, data: memoryview, numel: int, count: int) -> np.ndarray:
         require(len(data) >= 1, "raw index section is empty")
         width = data[0]

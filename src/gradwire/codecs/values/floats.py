@@ -56,6 +56,10 @@ class _CastCodec(ValueCodec):
     def encode(self, values: torch.Tensor) -> bytes:
         return _raw_bytes(convert_float(values, self.wire_dtype))
 
+    def max_section_bytes(self, most: int) -> int:
+        """See :meth:`ValueCodec.max_section_bytes`: exactly the width times the count."""
+        return torch.finfo(self.wire_dtype).bits // 8 * int(most)
+
     def decode(self, data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.finfo(self.wire_dtype).bits // 8
         require(len(data) == count * size, f"{self.name} section has {len(data)} bytes, expected {count * size}")

@@ -14,7 +14,9 @@ started like every other (``start(group)``), each blocking on the front-end's th
 * :class:`SparseReduceScatter` — a sparsifier: the pipeline's selection ran per entry, and the
   front-end's entries are one per (parameter, destination), so ``k`` holds per parameter and per
   destination region; :func:`~gradwire.exchange.sparse_reduce_scatter.sparse_reduce_scatter` with
-  the shards as regions (DeepReduce-coded payloads, counts first, the owner sums in rank order);
+  the shards as regions (DeepReduce-coded payloads in fixed frames sized by the sparsifier's
+  largest counts and the codecs' bounds, one all-to-all with no round of counts where the codecs
+  bound their sections; the owner sums in rank order);
   the residual is ``compensated - what the owners decoded of this rank's contribution``.
 
 Every rank's error feedback telescopes: what no owner applied stays in its sender's residual.
@@ -37,6 +39,7 @@ dense reduce-scatter sums inside the backend, so it has nothing to hash (its sha
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Optional
 
@@ -261,6 +264,27 @@ class SparseReduceScatter(ShardStrategy):
         self.codec = RegionCodecAdapter(index_codec=context.index_codec, value_codec=context.value_codec)
         self.sparsifier, self.feedback = sparsifier, feedback
         self._selection = Selection(sparsifier, feedback, "layer", context.stats)
+        self._most: dict[tuple, Optional[list[int]]] = {}
+
+    def most_per_shard(self, group: Group, bounds: list[int]) -> Optional[list[int]]:
+        """The most entries any rank selects in each shard: the sparsifier's largest count per
+        entry (``count_bounds``), summed over the entries of each shard, at least one in shard 0
+        (where a non-finite rank sends its NaN). The same on every rank (the shapes are), so the
+        payloads travel in fixed frames with no round of counts. None when an entry straddles
+        two shards (FSDP's layout never does). Kept per layout."""
+        key = (tuple((e.offset, e.numel) for e in group.entries), tuple(bounds))
+        if key not in self._most:
+            most = [0] * (len(bounds) - 1)
+            for entry in group.entries:
+                shard = bisect.bisect_right(bounds, entry.offset) - 1
+                if entry.numel and entry.offset + entry.numel > bounds[shard + 1]:
+                    self._most[key] = None
+                    break
+                most[shard] += self.sparsifier.count_bounds(entry.numel)[1] if entry.numel else 0
+            else:
+                most[0] = max(most[0], 1)
+                self._most[key] = most
+        return self._most[key]
 
     def reduce_scatter(self, group: Group) -> Optional[torch.Tensor]:
         context, target = self.context, group.target
@@ -276,7 +300,8 @@ class SparseReduceScatter(ShardStrategy):
             with context.stats.timer("communicate"):
                 result = sparse_reduce_scatter(indices=positions, values=values, numel=group.numel,
                                                boundaries=bounds, group=target.group, codec=self.codec,
-                                               what=f"sparse reduce-scatter of step {context.step}")
+                                               what=f"sparse reduce-scatter of step {context.step}",
+                                               most=self.most_per_shard(group, bounds))
         except (DecodeError, CollectiveError) as error:
             raise (self.codec.error or error)
         except RuntimeError as error:
@@ -285,6 +310,8 @@ class SparseReduceScatter(ShardStrategy):
             raise self.codec.error
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_sparse_reduce_scatter_buckets", 1)
+        if "reduce-scatter counts" not in result.sent_by_collective and target.shards > 1:
+            context.stats.add("count_framed_reduce_scatters", 1)  # one round, no counts first
         if result.status is RegionStatus.DECODE_FAILED:
             group.mark_failed(result.error or DecodeError("a region payload did not decode"))
             return None

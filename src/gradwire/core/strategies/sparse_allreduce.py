@@ -25,6 +25,15 @@ class RegionCodecAdapter:
     def __init__(self, *, index_codec: IndexCodec, value_codec: ValueCodec) -> None:
         self.index_codec, self.value_codec = index_codec, value_codec
         self.error: Optional[BaseException] = None
+        self._bounds: dict[tuple[int, int], Optional[int]] = {}
+
+    def max_payload_bytes(self, *, most: int, numel: int) -> Optional[int]:
+        """The codecs' bound on one region's payload (``codecs.max_payload_bytes``), kept per
+        ``(most, numel)``: a layout asks for the same few every step."""
+        key = (most, numel)
+        if key not in self._bounds:
+            self._bounds[key] = codec_layer.max_payload_bytes([(most, numel)], self.index_codec, self.value_codec)
+        return self._bounds[key]
 
     def encode(self, *, indices: torch.Tensor, values: torch.Tensor, numel: int) -> tuple[bytes, torch.Tensor]:
         """Never raises: an encoder error here would leave the peers waiting in the exchange, so
