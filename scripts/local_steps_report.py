@@ -31,6 +31,7 @@ TIMED = {
     "int4-h16": ("diloco:sync_every=16+quantize:bits=4", "allreduce"),
     "int4-h16-warm8": ("diloco:sync_every=16+quantize:bits=4", "quantize:bits=8"),
     "int4-h16-warm8e100": ("diloco:sync_every=16+quantize:bits=4", "quantize:bits=8"),
+    "int4-h16-warm8e25": ("diloco:sync_every=16+quantize:bits=4", "quantize:bits=8"),
     "int4-h16-warm8-overlap1": ("diloco:sync_every=16,overlap=1+quantize:bits=4", "quantize:bits=8"),
     "int4-h32-b1024": ("diloco:sync_every=32+quantize:bits=4,block=1024", "allreduce"),
     "streaming-f4": ("diloco:sync_every=16,fragments=4,overlap=1", "allreduce"),
@@ -64,9 +65,12 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
 
 def evaluations(record: dict[str, Any]) -> list[tuple[int, float]]:
     """(step, held-out loss) of a run. Runs recorded before diloco_sim evaluated the warm-up's model
-    (commit "eval_model in the warm-up") show the initial θ inside the warm-up: those are left out."""
+    (commit "eval_model in the warm-up") show the initial θ inside the warm-up, its loss at step 0
+    to the last bit: those evaluations are left out (dense-h16's records); the others are kept."""
     warmup = warmup_of(record)
-    return [(e["step"], e["held_out_loss"]) for e in record["evaluations"] if e["step"] == 0 or e["step"] >= warmup]
+    initial = record["evaluations"][0]["held_out_loss"]
+    return [(e["step"], e["held_out_loss"]) for e in record["evaluations"]
+            if e["step"] == 0 or e["step"] >= warmup or e["held_out_loss"] != initial]
 
 
 def crossing(record: dict[str, Any], target: float) -> float:
@@ -172,10 +176,10 @@ def timing_table(runs: dict[str, dict[int, dict[str, Any]]], timing: dict[str, A
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         topk = runs.get(TOPK_RUN, {})
         for name, (local, warm) in mapping.items():
-            if name not in runs or local not in at:
-                continue
+            if name not in runs or local not in at or (warm is not None and warm not in at):
+                continue  # a launch that did not time its warm-up's method cannot project it
             t_local = at[local]["seconds_per_step"]
-            t_warm = at[warm]["seconds_per_step"] if warm in at else t_local
+            t_warm = at[warm]["seconds_per_step"] if warm is not None else t_local
             seeds = runs[name]
             ddp = runs.get("ddp", {})
             steps = [crossing(r, ddp[s]["held_out_loss"]) if name != "ddp" else 1500.0

@@ -27,6 +27,7 @@ SIMS=(
     "int4-h32|diloco:sync_every=32,$W+quantize:bits=4,block=512"
     "int4-h32-b1024|diloco:sync_every=32,$W+quantize:bits=4,block=1024"
     "int4-h16-warm8e100|diloco:sync_every=16,$W,warmup_quantize=int8,warmup_exact=100+quantize:bits=4"
+    "int4-h16-warm8e25|diloco:sync_every=16,$W,warmup_quantize=int8,warmup_exact=25+quantize:bits=4"
     "int4-h16-warm8-overlap1|diloco:sync_every=16,$W,warmup_quantize=int8,overlap=1+quantize:bits=4"
     "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"
     "streaming-f4-carry|diloco:sync_every=16,$W,fragments=4,overlap=1,merge=carry"
