@@ -38,6 +38,8 @@ CASES = {  # name -> (world size, DiLoCo options)
                                     "warmup_exact_steps": 2}),
     "int4": (3, {"quantize": "int4", "quantize_block": 16, "fragments": 2}),
     "randomblock": (2, {"compressor": "randomblock", "density": 0.25, "collective": "allreduce"}),
+    "momentum-correction": (3, {"compressor": "topk", "density": 0.2, "collective": "allgather", "outer_momentum": 0.0,
+                                "momentum_correction": 0.9}),
 }
 
 
