@@ -163,3 +163,36 @@ def test_a_hand_built_shard_group_reduce_scatters_and_its_error_feedback_telesco
             assert max(result["errors"]) < 0.05, result
         assert result["telescopes"][0] < 1e-5, result
         assert result["bytes"] > 0 and math.isfinite(result["bytes"])
+
+
+def test_frames_are_sized_from_the_shapes_only_where_the_sparsifier_fixes_its_count() -> None:
+    """The most entries per shard is the sum of each piece's budget (at least one in shard 0, for
+    a non-finite rank's NaN); a data-sized sparsifier (threshold) or a piece across two shards
+    sends its counts first instead (None)."""
+    from gradwire.codecs import get_index_codec, get_value_codec
+    from gradwire.core.group import Entry
+    from gradwire.core.stats import ExchangeStats
+    from gradwire.core.strategies.base import ExchangeContext
+    from gradwire.core.strategies.reduce_scatter import SparseReduceScatter
+    from gradwire.sparsify import get_sparsifier
+
+    shapes, world = [(7, 5), (7,), (3, 2, 2), (1,), (10,)], 3
+    flat = layout.flatten([torch.randn(s) for s in shapes], world)
+    entries = [Entry((p.parameter, p.chunk), p.parameter * world + p.chunk, flat[p.offset: p.offset + p.numel],
+                     p.offset) for p in layout.pieces(shapes, world)]
+    bounds = [j * (flat.numel() // world) for j in range(world + 1)]
+    context = ExchangeContext(get_value_codec("fp16"), get_index_codec("rice"), None, world, 0, ExchangeStats(), 10.0)
+
+    def most(sparsifier: object, entries: list = entries) -> "list[int] | None":
+        strategy = SparseReduceScatter(context, sparsifier, None)
+        return strategy.most_per_shard(SimpleNamespace(entries=entries), bounds)  # it reads the entries only
+
+    topk = get_sparsifier("topk", density=0.3)
+    expected = [0] * world
+    for piece in layout.pieces(shapes, world):
+        expected[piece.offset // (flat.numel() // world)] += topk.target_k(piece.numel)
+    expected[0] = max(expected[0], 1)
+    assert most(topk) == expected and sum(expected) < flat.numel()
+    assert most(get_sparsifier("threshold", threshold=0.5)) is None
+    straddling = [Entry("x", 0, flat[: bounds[1] + 1], 0)]
+    assert most(topk, straddling) is None

@@ -270,14 +270,17 @@ class SparseReduceScatter(ShardStrategy):
         """The most entries any rank selects in each shard: the sparsifier's largest count per
         entry (``count_bounds``), summed over the entries of each shard, at least one in shard 0
         (where a non-finite rank sends its NaN). The same on every rank (the shapes are), so the
-        payloads travel in fixed frames with no round of counts. None when an entry straddles
-        two shards (FSDP's layout never does). Kept per layout."""
+        payloads travel in fixed frames with no round of counts. None (counts first) when an
+        entry straddles two shards (FSDP's layout never does), or when the data decides the
+        count (``threshold``: its largest count is every position, a frame as large as the
+        dense shard). Kept per layout."""
         key = (tuple((e.offset, e.numel) for e in group.entries), tuple(bounds))
         if key not in self._most:
             most = [0] * (len(bounds) - 1)
             for entry in group.entries:
                 shard = bisect.bisect_right(bounds, entry.offset) - 1
-                if entry.numel and entry.offset + entry.numel > bounds[shard + 1]:
+                if entry.numel and (entry.offset + entry.numel > bounds[shard + 1]
+                                    or self.sparsifier.target_k(entry.numel) is None):
                     self._most[key] = None
                     break
                 most[shard] += self.sparsifier.count_bounds(entry.numel)[1] if entry.numel else 0
