@@ -57,7 +57,7 @@ def local_steps(steps: int = 8):
     # [readme: DiLoCo]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     local = gradwire.DiLoCo(model, optimizer, sync_every=4, compressor="topk", density=0.1,
-                            value_codec="qsgd-ans", index_codec="rice")  # copies rank 0's weights
+                            value_codec="fp16", index_codec="rice", unsent="model")  # copies rank 0's weights
     for inputs, targets in data(steps):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(inputs), targets).backward()

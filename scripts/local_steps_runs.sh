@@ -17,6 +17,7 @@ sim() {
 
 W=warmup_steps=300
 TOPK="values=qsgd-ans,indices=rice,collective=allgather"
+TOPK16="values=fp16,indices=rice,collective=allgather"
 SIMS=(
     "ddp|allreduce"
     "dense-h16|diloco:sync_every=16,$W"
@@ -39,6 +40,11 @@ SIMS=(
     "topk10-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.1,$TOPK"
     "topk3-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.03,$TOPK"
     "topk1-model|diloco:sync_every=16,$W,unsent=model+topk:density=0.01,$TOPK"
+    "topk10-model-fp16|diloco:sync_every=16,$W,unsent=model+topk:density=0.1,$TOPK16"
+    "topk3-model-fp16|diloco:sync_every=16,$W,unsent=model+topk:density=0.03,$TOPK16"
+    "topk1-model-fp16-h32|diloco:sync_every=32,$W,unsent=model+topk:density=0.01,$TOPK16"
+    "topk10-decay09-fp16|diloco:sync_every=16,$W,decay=0.9+topk:density=0.1,$TOPK16"
+    "topk10-mc09-fp16|diloco:sync_every=16,$W,outer_momentum=0+topk:density=0.1,$TOPK16,momentum_correction=0.9"
     "topk1-step|topk:density=0.01,values=qsgd-ans,indices=rice"
     "topk1-step-fp16|topk:density=0.01,values=fp16,indices=rice"
 )
