@@ -150,11 +150,7 @@ def alltoallv(buffer: torch.Tensor, send_counts: list[int], group: Optional[dist
     recv_counts = [int(c) for c in counts_in.tolist()]
     if min(recv_counts) < 0:
         raise CollectiveError(f"{what}: {collective} (counts) received a negative count {recv_counts}")
-    received = torch.empty(sum(recv_counts), dtype=buffer.dtype, device=buffer.device)
-    work = dist.all_to_all_single(received, buffer, output_split_sizes=recv_counts,
-                                  input_split_sizes=list(send_counts), group=group, async_op=True)
-    wait_checked(work, what, collective)
-    return received, recv_counts
+    return alltoall_sized(buffer, list(send_counts), recv_counts, group, what=what, collective=collective), recv_counts
 
 
 def alltoall_sized(buffer: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
