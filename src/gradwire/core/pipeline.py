@@ -42,6 +42,17 @@ from .strategies import (
 )
 
 
+def build_feedback(config: ExchangeConfig, *, spares: bool = True) -> Optional[ErrorFeedback]:
+    """The error-feedback memory ``config`` asks for: DGC's momentum correction, plain (or
+    decaying, or bfloat16-stored) error feedback, or none. ``spares``: keep last step's residual
+    as the next compensation buffer (see :class:`~.feedback.ErrorFeedback`)."""
+    if config.momentum_correction is not None:
+        return MomentumCorrection(config.momentum_correction, spares=spares)
+    if config.error_feedback:
+        return ErrorFeedback(storage_dtype=config.residual_storage, spares=spares, decay=config.feedback_decay)
+    return None
+
+
 class Pipeline:
     """Options and memory of one compressed exchange; one per model (or per front-end instance).
 
@@ -62,13 +73,8 @@ class Pipeline:
         self.process_group = process_group
         self.stats = stats if stats is not None else ExchangeStats()
         self.sparsifier = config.build_sparsifier()
-        self.feedback: Optional[ErrorFeedback] = None
         # spare_buffers=False (FSDP): no second residual-sized buffer kept per tensor between rounds
-        if config.momentum_correction is not None:
-            self.feedback = MomentumCorrection(config.momentum_correction, spares=spare_buffers)
-        elif config.error_feedback:
-            self.feedback = ErrorFeedback(storage_dtype=config.residual_storage, spares=spare_buffers,
-                                          decay=config.feedback_decay)
+        self.feedback: Optional[ErrorFeedback] = build_feedback(config, spares=spare_buffers)
         self.selection = (Selection(self.sparsifier, self.feedback, config.scope, self.stats)
                           if self.sparsifier is not None else None)
         self._checked = False

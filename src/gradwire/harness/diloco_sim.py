@@ -34,10 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core.config import CAST_VALUE_CODECS, QUANTIZE_BITS, ExchangeConfig
-from ..core.feedback import ErrorFeedback, MomentumCorrection
 from ..core.frames import FRAME_HEADROOM, FrameSizes
 from ..core.group import Group, check_entries
 from ..core.payload import Part, encode_bucket
+from ..core.pipeline import build_feedback
 from ..core.selection import Selection
 from ..core.stats import ExchangeStats
 from ..core.strategies.allgather import count_slack
@@ -234,14 +234,6 @@ class SimulatedDiLoCo:
 
 
 
-def _feedback(config: ExchangeConfig) -> Optional[ErrorFeedback]:
-    """A worker's memory, as the core's pipeline builds it: DGC's momentum correction when
-    configured, plain error feedback, or none."""
-    if config.momentum_correction is not None:
-        return MomentumCorrection(config.momentum_correction)
-    return ErrorFeedback() if config.error_feedback else None
-
-
 class SimulatedExchange:
     """One group per worker in, the average every rank writes out: the core's strategies replayed
     across W workers in one process (the module docstring says how they are kept the same).
@@ -262,7 +254,7 @@ class SimulatedExchange:
                              "real ranks (gradwire train)")
         self.config, self.workers = config, workers
         self.sparsifier = config.build_sparsifier()
-        self.feedback = [_feedback(config) for _ in range(workers)]
+        self.feedback = [build_feedback(config) for _ in range(workers)]  # as the core's pipeline builds it
         self.selection = [Selection(self.sparsifier, feedback, config.scope, ExchangeStats())
                           if self.sparsifier is not None else None for feedback in self.feedback]
         self.frames = FrameSizes(headroom=FRAME_HEADROOM + count_slack(self.sparsifier))

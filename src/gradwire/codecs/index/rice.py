@@ -64,7 +64,7 @@ def max_rice_bytes(most: int, numel: int, parameter: "int | None" = None) -> int
     for ``S = numel - c``. Where ``G(S) = G*``, the candidates are those of ``S = numel - c``: at
     most the cheapest of them there. Where ``G(S) < G*``, ``G(S) + 1`` is one, and
     ``S / 2**(G(S) + 1) < c / ln 2`` by the guess's definition: at most ``c (G* + 1) + c / ln 2``.
-    About 11% above a section of uniformly random positions at 10% density. Bytes add the
+    About 8% above a section of uniformly random positions at 10% density. Bytes add the
     parameter byte and each stream's rounding; the maximum is over every ``c <= most`` (the
     bound is not monotone in ``c``).
 
