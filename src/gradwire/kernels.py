@@ -264,6 +264,38 @@ def compensate_and_top(grad: np.ndarray, residual: Optional[np.ndarray], out: np
 
 
 
+def compensate_and_top_pieces(source: np.ndarray, *, starts: np.ndarray, lengths: np.ndarray, ks: np.ndarray,
+                              residual: np.ndarray, add: np.ndarray,
+                              out: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+    """:func:`compensate_and_top` for many pieces of one array in one call (see
+    ``_native.compensate_top_pieces``): each piece's answer is the one :func:`compensate_and_top`
+    gives it alone, without a round of Python per piece.
+
+    Args:
+        source: (N,) contiguous float32/float64 holding every piece's gradient.
+        starts: (m,) int64, where piece i begins in ``source``.
+        lengths: (m,) int64, piece i's element count.
+        ks: (m,) int64, how many piece i keeps, ``0 < ks[i] < lengths[i]``.
+        residual: (sum of lengths,) same dtype, the pieces' residuals end to end; read only
+            where ``add[i]``.
+        add: (m,) bool, whether piece i has a residual to add.
+        out: (sum of lengths,) same dtype, receives the compensated pieces end to end.
+
+    Returns:
+        (positions, values): (sum of ks,) ascending int64 positions relative to each piece,
+        piece after piece, and the compensated values there.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    native = _require()
+    total = int(ks.sum())
+    positions, values = np.empty(total, dtype=np.int64), np.empty(total, dtype=out.dtype)
+    native.compensate_top_pieces(source, starts, residual, add, out, lengths, ks, np.finfo(out.dtype).max,
+                                 positions, values)
+    return positions, values
+
+
 def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha: float = 1.0) -> bool:
     """``target[positions] += alpha * values`` (repeated positions accumulate in order, as
     ``index_add_``), in one native loop: about half of ``index_add_``'s time for a scatter over a

@@ -14,6 +14,7 @@ after the first iteration).
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, Optional
 
 import torch
@@ -64,6 +65,33 @@ class ErrorFeedback:
         add (None: nothing owed yet), for a caller that computes the sum itself (fused with a scan)."""
         out = self._buffer(key, grad)
         return out, self._readable(key, out.dtype)
+
+    def prepare_pieces(self, keys: "list[Hashable]", numels: "list[int]", like: torch.Tensor
+                       ) -> "tuple[torch.Tensor, torch.Tensor | None, list[bool]]":
+        """:meth:`prepare` for many keys at once, laid end to end (a many-pieces selection,
+        :meth:`~gradwire.sparsify.Sparsifier.select_compensated_pieces`).
+
+        Returns the flat buffer the compensated pieces go into (``sum(numels)`` elements of
+        ``like``'s accumulation dtype, on its device; owned by the caller until :meth:`update`,
+        which keeps views of it), their residuals end to end (None: no key owes anything) and
+        which key has one. Once a round has kept views of one buffer, the next round finds them
+        end to end: its residuals are a view, not a copy, and the buffer of the round before
+        (their spares) is reused."""
+        dtype = accumulation_dtype(like)
+        total = sum(numels)
+        spares = [self._spares.pop(key, None) for key in keys]
+        out = _end_to_end(spares, numels, dtype, like.device)
+        if out is None:
+            out = torch.empty(total, dtype=dtype, device=like.device)
+        residuals = [self._readable(key, dtype) for key in keys]
+        has = [residual is not None for residual in residuals]
+        if not any(has):
+            return out, None, has
+        flat = _end_to_end(residuals, numels, dtype, like.device)
+        if flat is None:  # one copy (the first round, a changed layout, a key that was unused)
+            flat = torch.cat([r if r is not None else torch.empty(n, dtype=dtype, device=like.device)
+                              for r, n in zip(residuals, numels)])
+        return out, flat, has
 
     def compensate(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` as a flat tensor (float32/float64) of ``grad.numel()`` elements,
@@ -116,10 +144,12 @@ class ErrorFeedback:
         self.residuals.pop(key, None)
 
     def norm(self) -> float:
-        """L2 norm over all residuals (0.0 when empty)."""
+        """L2 norm over all residuals (0.0 when empty). The per-residual sums of squares are added
+        exactly (``math.fsum``), so the norm does not depend on the order the residuals were kept
+        in: a state loaded from a checkpoint (in the checkpoint's order) reports the same norm."""
         if not self.residuals:
             return 0.0
-        return float(torch.sqrt(sum(torch.sum(r.double() ** 2).cpu() for r in self.residuals.values())))
+        return math.sqrt(math.fsum(float(torch.sum(r.double() ** 2)) for r in self.residuals.values()))
 
     def state_dict(self, names: dict[Hashable, str]) -> dict[str, torch.Tensor]:
         return {names[key]: value.detach().cpu().clone() for key, value in self.residuals.items() if key in names}
@@ -128,6 +158,25 @@ class ErrorFeedback:
                         device_of: dict[Hashable, torch.device]) -> None:
         self.residuals = {keys[name]: value.to(device_of[keys[name]]).clone() for name, value in state.items()}
         self._spares = {}
+
+
+def _end_to_end(tensors: "list[torch.Tensor | None]", numels: "list[int]", dtype: torch.dtype,
+                device: torch.device) -> "torch.Tensor | None":
+    """One flat view over ``tensors`` when they lie end to end in one storage, in order, with these
+    sizes, dtype and device; else None."""
+    first = tensors[0] if tensors else None
+    if first is None or first.dtype != dtype or first.device != device:
+        return None
+    storage, itemsize, offset = first.untyped_storage(), first.element_size(), first.storage_offset()
+    at = offset
+    for tensor, numel in zip(tensors, numels):
+        if (tensor is None or tensor.numel() != numel or tensor.dtype != dtype or not tensor.is_contiguous()
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr() or tensor.storage_offset() != at):
+            return None
+        at += numel
+    if at * itemsize > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (at - offset,))
 
 
 class MomentumCorrection(ErrorFeedback):

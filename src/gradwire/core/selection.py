@@ -87,7 +87,10 @@ class Selection:
         zero = bool(deferred) and _zeroable(group)
         zeroed: set[int] = set()
         with self.stats.timer("select"):
+            batched = self._select_pieces(group, deferred)
             for position, entry in enumerate(group.entries):
+                if position in batched:
+                    continue
                 checked = position not in deferred
                 if checked:
                     entry.unused = finite and entry.unused
@@ -128,6 +131,41 @@ class Selection:
                 group.target.zeroed = True
         self.stats.add("count_compensations", len(group.entries))
         self.stats.add("count_selections", len(group.entries))
+
+    def _select_pieces(self, group: Group, deferred: "frozenset[int]") -> "frozenset[int]":
+        """The checked, used entries of a finite group that the sparsifier takes many at a time
+        (:meth:`~gradwire.sparsify.Sparsifier.pieces_apply`: top-k's small tensors), compensated
+        and selected in one call when there are several and they share one storage; their
+        positions (empty: the per-entry loop takes every entry). The answer is each entry's own,
+        as the loop would give it: only the rounds of Python per entry go (an FSDP module's 48
+        pieces, a bucket's biases and norms)."""
+        if not group.finite:
+            return frozenset()
+        chosen = [position for position, entry in enumerate(group.entries)
+                  if position not in deferred and not entry.unused and self.sparsifier.pieces_apply(entry.grad)]
+        if len(chosen) < 2:
+            return frozenset()
+        grads = [group.entries[position].grad for position in chosen]
+        storage = grads[0].untyped_storage()
+        if any(grad.untyped_storage().data_ptr() != storage.data_ptr() or grad.dtype != grads[0].dtype
+               for grad in grads):
+            return frozenset()
+        source = torch.empty(0, dtype=grads[0].dtype, device=grads[0].device).set_(
+            storage, 0, (storage.nbytes() // grads[0].element_size(),))
+        numels = [grad.numel() for grad in grads]
+        keys = [group.entries[position].key for position in chosen]
+        if self.feedback is not None:
+            out, residual, has_residual = self.feedback.prepare_pieces(keys, numels, grads[0])
+        else:
+            out = torch.empty(sum(numels), dtype=accumulation_dtype(grads[0]), device=grads[0].device)
+            residual, has_residual = None, [False] * len(chosen)
+        selected = self.sparsifier.select_compensated_pieces(
+            source, starts=[grad.storage_offset() for grad in grads], numels=numels, residual=residual,
+            has_residual=has_residual, out=out)
+        for position, piece, (indices, values) in zip(chosen, out.split(numels), selected):
+            entry = group.entries[position]
+            entry.compensated, entry.indices, entry.values = piece, indices, values
+        return frozenset(chosen)
 
     def _as_nonfinite(self, group: Group, step: int) -> None:
         """A deferred check found NaN/Inf: what :meth:`run` would have done had it known first

@@ -124,6 +124,32 @@ class Sparsifier(Configurable, ABC):
             torch.add(grad.reshape(-1), residual, out=out)
         return self.select(out, step=step, tensor_id=tensor_id)
 
+    def pieces_apply(self, grad: torch.Tensor) -> bool:
+        """Whether :meth:`select_compensated_pieces` takes ``grad`` (False here: a sparsifier
+        without a many-pieces path is called piece by piece)."""
+        return False
+
+    def select_compensated_pieces(self, source: torch.Tensor, *, starts: "list[int]", numels: "list[int]",
+                                  residual: "torch.Tensor | None", has_residual: "list[bool]",
+                                  out: torch.Tensor) -> "list[tuple[torch.Tensor, torch.Tensor]]":
+        """:meth:`select_compensated` for many pieces of one tensor in one go, each with the
+        answer it gets alone (and the values there); only for pieces :meth:`pieces_apply` to.
+
+        Args:
+            source: (N,) contiguous tensor holding every piece's gradient (not modified).
+            starts: piece i is ``source[starts[i]: starts[i] + numels[i]]``.
+            numels: the pieces' element counts.
+            residual: (sum of numels,) in ``out``'s dtype, the pieces' residuals end to end, or
+                None (no piece has one).
+            has_residual: whether piece i has one (its part of ``residual`` is read only then).
+            out: (sum of numels,) contiguous, ``source``'s dtype: receives the compensated pieces
+                end to end.
+
+        Returns:
+            Per piece: (ascending int64 positions relative to the piece, ``out`` there).
+        """
+        raise NotImplementedError(f"{self.name} selects piece by piece")
+
     @abstractmethod
     def target_k(self, numel: int) -> int | None:
         """How many of ``numel`` elements this sparsifier aims to keep (None: no target)."""

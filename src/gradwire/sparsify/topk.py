@@ -39,10 +39,11 @@ SCAN_MAX_DENSITY = 0.25
 SAMPLE_SIZE = 1 << 13
 #: Lowering the threshold when a scan left fewer than ``k`` candidates: widen the sample rank by this.
 _WIDEN = 4.0
-#: Up to this many elements a tensor's compensation and top-k run as one native call (8 against
-#: 12 us at 512 elements, one thread); above it numba's partition loses to numpy's (15 against 15
-#: us at 4096, 79 against 44 at 30000)
-NATIVE_TOP_MAX_NUMEL = 1 << 11
+#: Below this many elements a tensor's compensation and top-k run as one native call
+#: (``_native.compensate_top``: 8 against 12 us at 512 elements, one thread; at 9216, an FSDP
+#: piece of a 384 x 96 weight, 26-43 us against 65-100 for the torch/numpy path's eight calls);
+#: from it on the sampled scan (:data:`SCAN_MIN_NUMEL`)
+NATIVE_TOP_MAX_NUMEL = SCAN_MIN_NUMEL - 1
 #: Elements per chunk of the fused compensate-and-scan: small enough that the chunk, its
 #: magnitudes and its mask (9 bytes per float32 element) stay in a core's L2 cache.
 FUSED_CHUNK_NUMEL = 1 << 16
@@ -231,6 +232,35 @@ def _compensate_and_top(grad: torch.Tensor, residual: Optional[torch.Tensor], ou
     return torch.from_numpy(positions), torch.from_numpy(values)
 
 
+def compensated_top_pieces(source: torch.Tensor, *, starts: "list[int]", numels: "list[int]", ks: "list[int]",
+                           residual: Optional[torch.Tensor], has_residual: "list[bool]",
+                           out: torch.Tensor) -> "list[tuple[torch.Tensor, torch.Tensor]]":
+    """What :func:`compensated_largest_magnitudes` answers for each of many small pieces of
+    ``source`` (each ``0 < k < numel <= NATIVE_TOP_MAX_NUMEL``), in one native call: an FSDP
+    module's (parameter, destination) pieces or a bucket's biases and norms cost one call, not a
+    round of Python each (``kernels.compensate_and_top_pieces``).
+
+    Args:
+        source: (N,) contiguous float32/float64 CPU tensor holding the pieces.
+        starts: piece i is ``source[starts[i]: starts[i] + numels[i]]``.
+        numels: the pieces' sizes.
+        ks: how many each keeps.
+        residual: (sum of numels,) ``source``'s dtype, the residuals end to end, or None.
+        has_residual: whether piece i's part of ``residual`` is added.
+        out: (sum of numels,) ``source``'s dtype, contiguous: the compensated pieces end to end.
+
+    Returns:
+        Per piece: (ascending int64 positions relative to the piece, the compensated values there).
+    """
+    positions, values = kernels.compensate_and_top_pieces(
+        source.detach().numpy(), starts=np.asarray(starts, dtype=np.int64),
+        lengths=np.asarray(numels, dtype=np.int64), ks=np.asarray(ks, dtype=np.int64),
+        residual=(out if residual is None else residual).detach().numpy(), add=np.asarray(has_residual, dtype=np.bool_),
+        out=out.numpy())
+    found_positions, found_values = torch.from_numpy(positions), torch.from_numpy(values)
+    return list(zip(found_positions.split(ks), found_values.split(ks)))
+
+
 def _compensate_into(grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:
     flat = grad.reshape(-1)
     if residual is None:
@@ -316,6 +346,19 @@ class TopK(BudgetSparsifier):
         # the base conditions, and those of the sampled scan (compensated_largest_magnitudes)
         return (super().fused_check_applies(grad) and numel >= SCAN_MIN_NUMEL
                 and 0 < self.target_k(numel) <= SCAN_MAX_DENSITY * numel)
+
+    def pieces_apply(self, grad: torch.Tensor) -> bool:
+        """Pieces below the sampled scan's size whose ``k`` leaves something out, on the CPU in
+        float32/float64, with the kernels here: :func:`compensated_top_pieces` takes them."""
+        numel = grad.numel()
+        return (numel <= NATIVE_TOP_MAX_NUMEL and 0 < self.target_k(numel) < numel and grad.device.type == "cpu"
+                and grad.dtype in (torch.float32, torch.float64) and grad.is_contiguous() and kernels.available())
+
+    def select_compensated_pieces(self, source: torch.Tensor, *, starts: "list[int]", numels: "list[int]",
+                                  residual: Optional[torch.Tensor], has_residual: "list[bool]",
+                                  out: torch.Tensor) -> "list[tuple[torch.Tensor, torch.Tensor]]":
+        return compensated_top_pieces(source, starts=starts, numels=numels, ks=[self.target_k(n) for n in numels],
+                                      residual=residual, has_residual=has_residual, out=out)
 
     def select_compensated(self, grad: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, *,
                            step: int = 0, tensor_id: int = 0, flags: Optional[dict] = None,
