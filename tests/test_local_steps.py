@@ -126,6 +126,25 @@ def test_invalid_options_name_the_option(options: dict, message: str) -> None:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
 
 
+@pytest.mark.parametrize("options, unsent", [
+    ({"compressor": "topk", "density": 0.1}, "model"),  # a sparsifier with plain error feedback
+    ({"compressor": "randomblock", "density": 0.1, "value_codec": "fp16"}, "model"),
+    ({}, "residual"),  # dense outer steps
+    ({"quantize": "int8"}, "residual"),
+    ({"compressor": "topk", "density": 0.1, "momentum_correction": 0.9}, "residual"),  # velocities stay
+    ({"compressor": "topk", "density": 0.1, "error_feedback": False}, "residual"),
+    ({"compressor": "topk", "density": 0.1, "unsent": "residual"}, "residual"),  # given: kept
+])
+def test_unsent_defaults_to_the_model_for_sparsifiers_with_error_feedback(options: dict, unsent: str) -> None:
+    from gradwire.local_steps import split_options
+
+    model = _model()
+    local = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4, **options)
+    assert local.local.unsent == unsent
+    assert split_options(sync_every=4, **options)[0].unsent == unsent  # the CLI's check resolves it alike
+    local.close()
+
+
 @pytest.mark.parametrize("carry", [False, True])
 def test_the_overlap_merges_mix_or_carry_the_steps_taken_in_flight(carry: bool) -> None:
     from gradwire.local_steps.outer import OuterState, sgd_factory
@@ -515,7 +534,7 @@ def test_state_of_another_rank_or_options_is_refused() -> None:
 
 
 # ------------------------------------------------------------------ DDP inside the outer group
-def worker_nodes(rank: int, world_size: int) -> dict:
+def worker_nodes(rank: int, world_size: int, unsent: str) -> dict:
     from gradwire.exchange.hierarchy import build_hierarchy
 
     hierarchy = build_hierarchy(2)  # 2 nodes x 2 ranks: DDP inside a node, DiLoCo across nodes
@@ -527,7 +546,7 @@ def worker_nodes(rank: int, world_size: int) -> dict:
     compressed = DDP(_model(norm=False), process_group=hierarchy.intra)
     compressed_optimizer = torch.optim.AdamW(compressed.parameters(), lr=1e-2)
     local = DiLoCo(compressed, compressed_optimizer, sync_every=2, compressor="topk", density=0.2,
-                   collective="allgather", process_group=hierarchy.cross)
+                   collective="allgather", process_group=hierarchy.cross, unsent=unsent)
     for step in range(4):
         _step(model, optimizer, rank, step)
         _step(reference, reference_optimizer, rank, step)
@@ -537,11 +556,17 @@ def worker_nodes(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(150)
-def test_ddp_inside_the_outer_group_two_nodes_of_two_ranks() -> None:
-    results = run_workers(worker_nodes, 4, timeout=120)
+@pytest.mark.parametrize("unsent", ["residual", "model"])
+def test_ddp_inside_the_outer_group_two_nodes_of_two_ranks(unsent: str) -> None:
+    results = run_workers(worker_nodes, 4, unsent, timeout=120)
     for result in results:  # H = 1 DiLoCo across nodes over DDP inside them is DDP over all four ranks
         _close(result["diloco"], result["ddp"])
-    assert len({(r["compressed"], r["compressed_model"]) for r in results}) == 1
+    assert len({r["compressed"] for r in results}) == 1  # the global parameters, on every rank
+    if unsent == "residual":  # every rank restarts from them
+        assert len({r["compressed_model"] for r in results}) == 1
+    else:  # each node restarts from them minus its own unsent part: the same within a node, not across
+        models = [r["compressed_model"] for r in results]
+        assert models[0] == models[1] and models[2] == models[3] and models[0] != models[2]
 
 
 # ------------------------------------------------------------------ the synchronous warm-up

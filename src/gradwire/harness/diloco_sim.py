@@ -44,7 +44,7 @@ from ..core.strategies.allgather import count_slack
 from ..exchange import FRAME_HEADER_BYTES, ring_allreduce_bytes
 from ..exchange.blockquant import quantized_bytes, roundtrip
 from ..local_steps.fragments import assign_fragments, fragment_due, layers_of
-from ..local_steps.options import LocalStepsConfig
+from ..local_steps.options import LocalStepsConfig, default_unsent
 from ..local_steps.outer import OuterState, feedback_input, fragment_group, sgd_factory, unsent_to_model
 from .simulate import exact_mean
 
@@ -70,15 +70,16 @@ class SimulatedDiLoCo:
     def __init__(self, workers: int, total_steps: int, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, feedback_decay: float = 1.0, merge_alpha: float = 0.5,
-                 overlap_merge: str = "mix", unsent: str = "residual", warmup_quantize: Optional[str] = None,
+                 overlap_merge: str = "mix", unsent: Optional[str] = None, warmup_quantize: Optional[str] = None,
                  warmup_exact_steps: int = 0, compressor: str = "none",
                  **options: Any) -> None:
+        self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
         self.local = LocalStepsConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                       nesterov=nesterov, warmup_steps=warmup_steps, fragments=fragments,
                                       overlap_steps=overlap_steps, feedback_decay=feedback_decay,
-                                      merge_alpha=merge_alpha, overlap_merge=overlap_merge, unsent=unsent,
+                                      merge_alpha=merge_alpha, overlap_merge=overlap_merge,
+                                      unsent=default_unsent(self.config) if unsent is None else unsent,
                                       warmup_quantize=warmup_quantize, warmup_exact_steps=warmup_exact_steps)
-        self.config = ExchangeConfig(compressor=compressor, **{"value_codec": "fp32", **options})
         self.workers, self.total_steps = workers, total_steps
         self.exchange = SimulatedExchange(self.config, workers)
         #: the warm-up's gradient average: DDP's exact mean, or the front-end's quantized GradientExchange

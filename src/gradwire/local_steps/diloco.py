@@ -42,7 +42,7 @@ from ..exchange.collectives import allreduce_sum, world_size_of
 from ..exchange.inflight import Launched
 from ..tensors import GradientExchange
 from .fragments import assign_fragments, fragment_due, layers_of
-from .options import LocalStepsConfig
+from .options import LocalStepsConfig, default_unsent
 from .outer import OuterOptimizerFactory, OuterState, feedback_input, fragment_group, sgd_factory, unsent_to_model
 
 FORMAT = "gradwire.diloco/1"
@@ -107,7 +107,10 @@ class DiLoCo:
             error-feedback memory; every rank restarts from θ) or ``"model"`` (each rank restarts
             from ``θ - e``, its own unsent part ``e``, and the residual is emptied: the next Δ carries
             it again, and an inner optimizer never re-learns a step the model already took).
-            ``synchronize()`` always leaves θ in the model (and ``e`` in the residual).
+            ``synchronize()`` always leaves θ in the model (and ``e`` in the residual). Default
+            (None): ``"model"`` for a sparsifier with plain error feedback, which held quality
+            where the residual rule did not (docs/local-steps.md), else ``"residual"``
+            (:func:`~gradwire.local_steps.options.default_unsent`).
         warmup_quantize: the warm-up's gradient AllReduce in ``"int8"`` or ``"int4"`` blocks (with
             error feedback, the core's ``quantize``) instead of float32: a synchronous warm-up at
             about a quarter (an eighth) of DDP's bytes.
@@ -130,10 +133,14 @@ class DiLoCo:
                  error_feedback: bool = True, warmup_steps: int = 0, fragments: int = 1, overlap_steps: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None, *,
                  outer_optimizer: Optional[OuterOptimizerFactory] = None, feedback_decay: float = 1.0,
-                 merge_alpha: float = 0.5, unsent: str = "residual", warmup_quantize: Optional[str] = None,
+                 merge_alpha: float = 0.5, unsent: Optional[str] = None, warmup_quantize: Optional[str] = None,
                  warmup_exact_steps: int = 0, overlap_merge: str = "mix", **options: Any) -> None:
         if "config" in options:
             raise ValueError("DiLoCo takes the exchange's options as keywords, not config=")
+        self.config = ExchangeConfig(compressor=compressor, density=density, value_codec=value_codec,
+                                     index_codec=index_codec, collective=collective, quantize=quantize,
+                                     error_feedback=error_feedback, **options)
+        unsent = default_unsent(self.config) if unsent is None else unsent
         self.local = LocalStepsConfig(
             sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
             outer_optimizer=None if outer_optimizer is None else getattr(outer_optimizer, "__qualname__",
@@ -141,9 +148,6 @@ class DiLoCo:
             warmup_steps=warmup_steps, fragments=fragments, overlap_steps=overlap_steps,
             feedback_decay=feedback_decay, merge_alpha=merge_alpha, overlap_merge=overlap_merge, unsent=unsent,
             warmup_quantize=warmup_quantize, warmup_exact_steps=warmup_exact_steps)
-        self.config = ExchangeConfig(compressor=compressor, density=density, value_codec=value_codec,
-                                     index_codec=index_codec, collective=collective, quantize=quantize,
-                                     error_feedback=error_feedback, **options)
         if unsent == "model" and self.config.momentum_correction is not None:
             raise ValueError("unsent='model' keeps what a sync did not send in the model; momentum_correction's "
                              "velocities cannot move there: use error_feedback")
