@@ -92,6 +92,18 @@ def test_bench_e2e_local_writes_report_and_plots(tmp_path) -> None:
         assert (out / name).stat().st_size > 1000 and name in report
 
 
+@pytest.mark.parametrize("model, workers, steps", [("resnet18", 2, 30), ("resnet18", 4, 30), ("mlp", 2, 46),
+                                                   ("cnn", 3, 5)])
+def test_bench_e2e_makes_synthetic_data_for_every_step_after_the_held_out_split(model, workers, steps) -> None:
+    # ResNet-18's 30-step runs used to stop at 24: the images were sized without the held-out split
+    from gradwire.bench.e2e import _synthetic_size
+    from gradwire.harness.workloads import build_workload
+
+    batch = 32
+    workload = build_workload(model, "synthetic", synthetic_size=_synthetic_size(batch, workers, steps))
+    assert len(workload.train) // (batch * workers) >= steps
+
+
 def test_accuracy_table_over_seeds() -> None:
     from gradwire.bench.e2e import accuracy_by_method, format_accuracy
 

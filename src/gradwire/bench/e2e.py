@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Any
 
+from ..harness.data import DEFAULT_TEST_FRACTION
 from ..harness.training import file_slug, median
 from ..tables import format_table
 
@@ -87,12 +88,19 @@ def _launch(methods: list[str], args: argparse.Namespace, workers: int, bandwidt
                          lr=getattr(args, "lr", None), evaluate=model is not None, compute_only=compute_only,
                          barrier_each_step=barrier, seed=seed,
                          out=out, progress=False,
-                         # enough synthetic examples for every requested step on every worker (16 per
-                         # worker and step cut a 30-step run to 16, its medians then over the warm-up)
-                         synthetic_size=max(256, args.batch_size * workers * max(16, args.steps + args.warmup_steps)))
+                         synthetic_size=_synthetic_size(args.batch_size, workers, args.steps + args.warmup_steps))
     config.validate()
     cluster = None if bandwidth is None else (bandwidth, args.latency)
     return launch(config, workers, timeout=args.timeout, cluster=cluster)
+
+
+def _synthetic_size(batch_size: int, workers: int, steps: int) -> int:
+    """Synthetic examples enough for ``steps`` batches on every worker *after* the held-out split
+    (:func:`gradwire.harness.data.load` keeps ``DEFAULT_TEST_FRACTION`` of the images apart). Short
+    data cut runs: 16 batches per worker cut a 30-step run to 16, and sizing the images without the
+    split cut ResNet-18's 30-step runs to 24, their medians then over the warm-up."""
+    train_examples = batch_size * workers * max(16, steps)
+    return max(256, math.ceil(train_examples / (1.0 - DEFAULT_TEST_FRACTION)) + batch_size * workers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,10 +41,14 @@ def mnist5k() -> tuple[torch.Tensor, torch.Tensor]:
     return images, pixels[_MNIST5K_COUNT * _MNIST5K_PIXELS:].to(torch.int64)
 
 
+#: the images' held-out share (of every image set, the synthetic one included)
+DEFAULT_TEST_FRACTION = 0.2
+
+
 def load(
     name: str = "mnist5k",
     *,
-    test_fraction: float = 0.2,
+    test_fraction: float = DEFAULT_TEST_FRACTION,
     seed: int = 0,
     synthetic_shape: tuple[int, ...] = (3, 32, 32),
     synthetic_size: int = 2048,
