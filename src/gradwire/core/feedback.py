@@ -147,11 +147,11 @@ class ErrorFeedback:
         """L2 norm over all residuals (0.0 when empty), for ``stats()``.
 
         One fused read of every residual (``torch._foreach_norm``, accumulated in float32, float64
-        residuals in float64) and one host sync per device and dtype. Front-ends and training loops call ``stats()`` every step, so this
-        must not cost more than a read: the earlier float64 copy-square-sum took ~3 passes and
-        ~33 ms a step for the 4.7M MLP on 2 cores, as much as the step itself, and inflated
-        ``auto``'s measured sparse rounds, which run it, against dense ones, which have no
-        residuals. The per-residual norms' squares are added exactly (``math.fsum``), so the norm
+        residuals in float64) and one host sync per device and dtype. Front-ends and training
+        loops call ``stats()`` every step, so this must not cost more than a read: the earlier
+        float64 copy-square-sum took ~3 passes and ~33 ms a step for the 4.7M MLP on 2 cores, as
+        much as the step itself, and inflated ``auto``'s measured sparse rounds, which run it,
+        against dense ones, which have no residuals. The per-residual norms' squares are added exactly (``math.fsum``), so the norm
         does not depend on the order the residuals were kept in: a state loaded from a checkpoint
         (in the checkpoint's order) reports the same norm."""
         if not self.residuals:
