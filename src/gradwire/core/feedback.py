@@ -151,9 +151,9 @@ class ErrorFeedback:
         loops call ``stats()`` every step, so this must not cost more than a read: the earlier
         float64 copy-square-sum took ~3 passes and ~33 ms a step for the 4.7M MLP on 2 cores, as
         much as the step itself, and inflated ``auto``'s measured sparse rounds, which run it,
-        against dense ones, which have no residuals. The per-residual norms' squares are added exactly (``math.fsum``), so the norm
-        does not depend on the order the residuals were kept in: a state loaded from a checkpoint
-        (in the checkpoint's order) reports the same norm."""
+        against dense ones, which have no residuals. The per-residual norms' squares are added
+        exactly (``math.fsum``), so the norm does not depend on the order the residuals were kept
+        in: a state loaded from a checkpoint (in the checkpoint's order) reports the same norm."""
         if not self.residuals:
             return 0.0
         # grouped by device and accumulation dtype (float32, or float64 for float64 residuals)
