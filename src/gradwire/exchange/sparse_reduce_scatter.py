@@ -154,7 +154,7 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
             chunks = [from_frame(frame, f"{what}: rank {src}'s frame") for src, frame in enumerate(chunks)]
         pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
                   for src, chunk in enumerate(chunks)]
-        region_indices, sums = _reduce(pieces, device)
+        region_indices, sums = _reduce(pieces, device, lengths[me])
         if not bool(torch.isfinite(sums).all()):
             status = RegionStatus.NONFINITE
     except DecodeError as caught:
@@ -245,12 +245,31 @@ def check_contribution(indices: torch.Tensor, values: torch.Tensor, numel: int) 
         raise ValueError(f"indices must be strictly ascending in [0, numel={numel})")
 
 
-def _reduce(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Union of the pieces' positions (ascending) and the sums of their values, added in the
-    pieces' order (each piece's positions are distinct, so every addition is a plain, ordered
-    read-add-write: the same bits on any device, run after run)."""
+#: a region this many times its received entries or fewer is reduced through a dense scratch of
+#: its length (two O(length) passes); a sparser one by sorting its entries. Measured on one CPU
+#: thread, 4 pieces of random positions: at 10% of a region of 127k each (FSDP's top-k 10%) the
+#: dense way takes 1.3 ms against 3.5 ms, at 1% 0.44 ms against 0.25 ms
+#: (tests/exchange/test_sparse_reduce_scatter.py holds both ways to the same bits).
+DENSE_REDUCE_RATIO = 8
+
+
+def _reduce(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+            length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Union of the pieces' positions (ascending, in ``[0, length)``) and the sums of their
+    values, added in the pieces' order: each piece's positions are distinct, so every addition is
+    a plain, ordered read-add-write, ``((0 + v_0) + v_1) + ...`` for every position, the same bits
+    on any device, run after run, whichever of the two ways below runs."""
     if not pieces:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float32, device=device)
+    received = sum(rel.numel() for rel, _ in pieces)
+    if length <= DENSE_REDUCE_RATIO * received:
+        sums_at = torch.zeros(length, dtype=torch.float32, device=device)
+        hit = torch.zeros(length, dtype=torch.bool, device=device)
+        for rel, vals in pieces:  # one pass per source rank, in rank order
+            sums_at.index_add_(0, rel, vals)
+            hit[rel] = True
+        positions = hit.nonzero().reshape(-1)
+        return positions, sums_at[positions]
     everything = torch.cat([rel for rel, _ in pieces])
     positions, inverse = torch.unique(everything, sorted=True, return_inverse=True)
     sums = torch.zeros(positions.numel(), dtype=torch.float32, device=everything.device)
