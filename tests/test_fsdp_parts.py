@@ -105,6 +105,26 @@ def test_the_simulated_reduce_scatter_is_the_mean_when_lossless_and_telescopes_o
             assert torch.allclose(together, owed, atol=1e-5), options
 
 
+
+def test_the_simulated_reduce_scatter_counts_the_dense_steps_bytes_too() -> None:
+    """Plain FSDP2's steps and a warm-up's cost (p-1)/p of the padded float32 gradient per worker:
+    a run's bytes per step are then the whole run's, not only its compressed steps'."""
+    from gradwire.harness.sharding import ShardedReduce
+
+    model = _gpt_like()
+    workers = 3
+    padded = sum(layout.shard_numel([tuple(p.shape) for p in layer.parameters()], workers) * workers
+                 for layer in model if any(True for _ in layer.parameters()))
+    grads = [[torch.ones(p.shape) for p in model.parameters()] for _ in range(workers)]
+    plain = ShardedReduce(model, workers)
+    plain(grads)
+    assert plain.bytes_sent == 4 * (workers - 1) * padded  # summed over the workers
+    warming = ShardedReduce(model, workers, quantize="int8", warmup_steps=1)
+    warming(grads)
+    assert warming.bytes_sent == plain.bytes_sent
+    warming(grads)  # the first quantized step: int8 blocks cost about a quarter of the dense bytes
+    assert plain.bytes_sent * 1.1 < warming.bytes_sent < plain.bytes_sent * 1.5
+
 # ------------------------------------------------------------------- the core, without FSDP
 def worker_shard_group(rank: int, world_size: int, options: dict) -> dict:
     """A hand-built shard group through the core's pipeline, checked against a float64 sum."""

@@ -180,10 +180,11 @@ class ShardedReduce:
                 total = self._quantized(unit, flats, shapes)
             elif self.sparsifier is not None and not warming:
                 total = self._sparse(unit, flats, shapes, members)
-            else:
+            else:  # plain FSDP2's reduce-scatter (or the warm-up's): each worker sends its p-1 other chunks
                 total = flats[0].clone()
                 for flat in flats[1:]:
                     total += flat
+                self.bytes_sent += 4.0 * (self.workers - 1) * total.numel()  # summed over the p workers
             total /= self.workers
             for i, tensor in zip(members, layout.unflatten(total, shapes, self.workers)):
                 out[i] = tensor
