@@ -125,6 +125,19 @@ def test_the_simulated_reduce_scatter_counts_the_dense_steps_bytes_too() -> None
     warming(grads)  # the first quantized step: int8 blocks cost about a quarter of the dense bytes
     assert plain.bytes_sent * 1.1 < warming.bytes_sent < plain.bytes_sent * 1.5
 
+
+def test_the_simulated_all_gather_is_exact_during_the_warm_up_as_the_library_s() -> None:
+    from gradwire.harness.sharding import ShardedReduce
+
+    model = _gpt_like()
+    parameters = list(model.parameters())
+    reduce = ShardedReduce(model, 3, quantize="int4", all_gather="int8", warmup_steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(reduce.gathered_weights(parameters), parameters))
+    reduce([[torch.zeros(p.shape) for p in parameters] for _ in range(3)])  # the warm-up's one step
+    rounded = reduce.gathered_weights(parameters)
+    assert not all(torch.equal(a, b) for a, b in zip(rounded, parameters))
+    assert all(torch.allclose(a, b, atol=0.02) for a, b in zip(rounded, parameters))
+
 # ------------------------------------------------------------------- the core, without FSDP
 def worker_shard_group(rank: int, world_size: int, options: dict) -> dict:
     """A hand-built shard group through the core's pipeline, checked against a float64 sum."""

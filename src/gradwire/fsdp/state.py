@@ -322,7 +322,8 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
         all_gather: ``"int8"`` or ``"int4"``: also quantize the parameter all-gathers (blocks of
             ``quantize_block``, restarting at every parameter; :mod:`.all_gather`), so forward and
             backward run on parameters within half a quantization step of the exact shards the
-            optimizer keeps; None (default): FSDP2's exact all-gather.
+            optimizer keeps (exact during ``warmup_steps``, like the reduce-scatter); None
+            (default): FSDP2's exact all-gather.
 
     Returns:
         The :class:`FSDPCompressionState` (``stats()``, ``state_dict()``, ``load_state_dict()``,
@@ -355,7 +356,10 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
             for module in _modules_of(model, unit):
                 module.set_custom_all_gather(QuantizedAllGather(
                     segments, bits=ALL_GATHER_BITS[all_gather], block_size=config.quantize_block,
-                    timeout=config.collective_timeout, stats=state.all_gather_stats, tag=state.units.index(unit)))
+                    timeout=config.collective_timeout, stats=state.all_gather_stats, tag=state.units.index(unit),
+                    # the warm-up's steps compute with the exact parameters too; a step's gathers all
+                    # come before its reductions, which advance the (rank-agreed) iteration
+                    exact_now=lambda: state.iteration < config.warmup_steps))
     return state
 
 

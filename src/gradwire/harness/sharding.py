@@ -193,7 +193,8 @@ class ShardedReduce:
 
     def gathered_weights(self, parameters: Sequence[Tensor]) -> list[Tensor]:
         """The parameters every worker computes with under a quantized all-gather: per unit, each
-        destination chunk blockwise quantized (blocks restarting at every parameter), dequantized.
+        destination chunk blockwise quantized (blocks restarting at every parameter), dequantized;
+        the exact parameters during the warm-up steps.
 
         Args:
             parameters: one worker's parameters, in model order (requires_grad ones).
@@ -202,6 +203,11 @@ class ShardedReduce:
             One tensor per parameter, shaped like it.
         """
         assert self.all_gather_bits is not None
+        if self.step < self.warmup_steps:  # the warm-up gathers exactly, as the library's does
+            self.gather_bytes_sent += 4.0 * (self.workers - 1) / self.workers * sum(
+                layout.shard_numel([self.shapes[i] for i in members], self.workers) * self.workers
+                for members in self.units)
+            return [p.detach() for p in parameters]
         out: list[Optional[Tensor]] = [None] * len(parameters)
         for members in self.units:
             shapes = [self.shapes[i] for i in members]
