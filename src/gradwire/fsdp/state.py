@@ -357,8 +357,8 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
                 module.set_custom_all_gather(QuantizedAllGather(
                     segments, bits=ALL_GATHER_BITS[all_gather], block_size=config.quantize_block,
                     timeout=config.collective_timeout, stats=state.all_gather_stats, tag=state.units.index(unit),
-                    # the warm-up's steps compute with the exact parameters too; a step's gathers all
-                    # come before its reductions, which advance the (rank-agreed) iteration
+                    # the warm-up's steps compute with the exact parameters too; the (rank-agreed)
+                    # iteration advances at the step's last reduction, after every gather of the step
                     exact_now=lambda: state.iteration < config.warmup_steps))
     return state
 
