@@ -105,7 +105,6 @@ def test_the_simulated_reduce_scatter_is_the_mean_when_lossless_and_telescopes_o
             assert torch.allclose(together, owed, atol=1e-5), options
 
 
-
 def test_the_simulated_reduce_scatter_counts_the_dense_steps_bytes_too() -> None:
     """Plain FSDP2's steps and a warm-up's cost (p-1)/p of the padded float32 gradient per worker:
     a run's bytes per step are then the whole run's, not only its compressed steps'."""
@@ -137,6 +136,7 @@ def test_the_simulated_all_gather_is_exact_during_the_warm_up_as_the_library_s()
     rounded = reduce.gathered_weights(parameters)
     assert not all(torch.equal(a, b) for a, b in zip(rounded, parameters))
     assert all(torch.allclose(a, b, atol=0.02) for a, b in zip(rounded, parameters))
+
 
 # ------------------------------------------------------------------- the core, without FSDP
 def worker_shard_group(rank: int, world_size: int, options: dict) -> dict:
