@@ -118,6 +118,7 @@ def test_the_simulated_reduce_scatter_counts_the_dense_steps_bytes_too() -> None
     plain = ShardedReduce(model, workers)
     plain(grads)
     assert plain.bytes_sent == 4 * (workers - 1) * padded  # summed over the workers
+    assert plain.plain_bytes_per_worker() * workers == plain.bytes_sent  # the budgets' denominator
     warming = ShardedReduce(model, workers, quantize="int8", warmup_steps=1)
     warming(grads)
     assert warming.bytes_sent == plain.bytes_sent

@@ -118,3 +118,17 @@ def test_the_command_prints_evaluations_and_writes_json(tmp_path, capsys) -> Non
     assert main(["simulate", "--optimizer", "sgdd"]) == 2
     err = capsys.readouterr().err
     assert err == "gradwire simulate: --optimizer='sgdd' is not supported; allowed: sgd, adamw\n"
+
+
+def test_an_fsdp_record_holds_its_bytes_against_plain_fsdp2_over_the_whole_run(tmp_path, capsys) -> None:
+    """One exact warm-up step then one int8 step: the run's bytes are the mean of plain FSDP2's
+    (ratio 1) and int8's (about 0.258), so a budget over the run sees the warm-up."""
+    from gradwire.cli.main import main
+
+    assert main(["simulate", "--workers", "2", "--steps", "2", "--batch-size", "4", "--data", DATA,
+                 "--eval-every", "2", "--fsdp", "quantize:bits=8,warmup_steps=1",
+                 "--json", str(tmp_path / "sim.json")]) == 0
+    record = json.loads((tmp_path / "sim.json").read_text())["fsdp"]
+    assert record["plain_bytes_per_step"] >= 4 * 509_248 / 2  # (p-1)/p of the padded float32 gradient
+    assert 0.62 < record["bytes_vs_plain"] < 0.64, record
+    assert "x plain FSDP2's reduce-scatter" in capsys.readouterr().out

@@ -169,9 +169,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.method}: {sent:,.0f} bytes per worker per step, {sent / ddp_bytes:.5f} x DDP's AllReduce"
           + (f"; {record['bytes_per_local_step'] / ddp_bytes:.5f} x over the local steps"
              if "bytes_per_local_step" in record else ""))
+    if reduce is not None:
+        # averaged over every step, warm-up included: what a byte budget over the whole run is held to
+        plain_bytes = reduce.plain_bytes_per_worker()
+        record["fsdp"] = {"spec": args.fsdp, "per_tensor_scales": args.per_tensor_scales,
+                          "plain_bytes_per_step": plain_bytes, "bytes_vs_plain": sent / plain_bytes}
+        print(f"--fsdp {args.fsdp}: {sent / plain_bytes:.4f} x plain FSDP2's reduce-scatter "
+              f"({plain_bytes:,.0f} bytes per worker per step), averaged over all {args.steps} steps")
     if args.json:
-        if args.fsdp is not None:
-            record["fsdp"] = {"spec": args.fsdp, "per_tensor_scales": args.per_tensor_scales}
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=1)
     return 0

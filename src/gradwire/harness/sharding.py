@@ -191,6 +191,12 @@ class ShardedReduce:
         self.step += 1
         return out  # type: ignore[return-value]
 
+    def plain_bytes_per_worker(self) -> float:
+        """What plain FSDP2's float32 reduce-scatter sends per worker and step: ``4 (p - 1) s`` per
+        unit, ``s`` the unit's padded shard (what :attr:`bytes_sent` counts for an exact step)."""
+        return float(sum(4 * (self.workers - 1) * layout.shard_numel([self.shapes[i] for i in members], self.workers)
+                         for members in self.units))
+
     def gathered_weights(self, parameters: Sequence[Tensor]) -> list[Tensor]:
         """The parameters every worker computes with under a quantized all-gather: per unit, each
         destination chunk blockwise quantized (blocks restarting at every parameter), dequantized;
