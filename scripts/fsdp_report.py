@@ -47,8 +47,8 @@ def quality(folder: str, plain_path: str) -> str:
     if 1 not in plain and os.path.exists(ddp1):
         plain[1] = _load(ddp1)
     lines = ["| run | `--fsdp` spec | seed | held-out loss, step 500 | 1000 | 1500 (final) "
-             "| vs plain FSDP2 (same seed) |",
-             "|---|---|---|---|---|---|---|"]
+             "| vs plain FSDP2 (same seed) | bytes over the run x plain FSDP2 |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = [("plain", seed, record) for seed, record in sorted(plain.items())]
     rows += [(name, seed, record) for name in sorted(runs) for seed, record in sorted(runs[name].items())]
     for name, seed, record in rows:
@@ -60,7 +60,7 @@ def quality(folder: str, plain_path: str) -> str:
             f"{100 * (record['held_out_loss'] / reference['held_out_loss'] - 1):+.2f}%"
         lines.append(f"| {name} | `{spec}` | {seed} | {at.get(500, float('nan')):.4f} | "
                      f"{at.get(1000, float('nan')):.4f} | "
-                     f"{record['held_out_loss']:.4f} | {versus} |")
+                     f"{record['held_out_loss']:.4f} | {versus} | {_run_bytes(record)} |")
     several = {name: seeds for name, seeds in runs.items() if len(set(seeds) & set(plain)) > 1}
     if several:
         lines += ["\n| run | seeds | final held-out loss, mean ± half range | plain FSDP2's, same seeds | "
@@ -73,6 +73,21 @@ def quality(folder: str, plain_path: str) -> str:
             lines.append(f"| {name} | {','.join(map(str, common))} | {_ms(mine, '.4f')} | {_ms(theirs, '.4f')} | "
                          f"{_ms(rel, '+.2f', '.2f')} % |")
     return "\n".join(lines)
+
+
+def _run_bytes(record: dict[str, Any]) -> str:
+    """The reduce-scatter's bytes averaged over every step, warm-up included, against plain FSDP2's.
+
+    Records written since 2026-12-03 carry the ratio (``fsdp.bytes_vs_plain``). Older ones carry
+    ``bytes_per_step`` only, which counted a warm-up's dense steps as zero until then: it is used
+    where the spec has no warm-up (``bytes_ddp_per_step`` is a float32 AllReduce, twice the
+    reduce-scatter; ByteGPT's shards need no padding at 4 ranks). Otherwise "–"."""
+    fsdp = record.get("fsdp", {})
+    if "bytes_vs_plain" in fsdp:
+        return f"{fsdp['bytes_vs_plain']:.4f}"
+    if record.get("bytes_per_step") and "warmup_steps" not in fsdp.get("spec", "warmup_steps"):
+        return f"{2 * record['bytes_per_step'] / record['bytes_ddp_per_step']:.4f}"
+    return "–"
 
 
 def _ms(values: list[float], fmt: str, spread: str = ".4f") -> str:
