@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -406,11 +407,18 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_stopping_the_launcher_stops_its_workers(stop: signal.Signals) -> None:
-    """``kill``/``timeout`` send SIGTERM: the launcher kills its workers on the way out. SIGKILL
-    gives it no way out: the workers' parent-death signal kills them."""
+    """``kill``/``timeout`` send SIGTERM: the launcher kills its workers on the way out and removes
+    its temporary folder. SIGKILL gives it no way out: the workers' parent-death signal kills them,
+    and the folder it leaves is in this test's own TMPDIR, removed below."""
     command = [sys.executable, "-m", "gradwire", "train", "--model", "cnn", "--data", "digits", "--workers", "2",
                "--epochs", "50", "--no-eval", "--method", "allreduce"]
-    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="gradwire-test-launcher-") as scratch:
+        _stop_launcher_and_check_workers(command, stop, scratch)
+
+
+def _stop_launcher_and_check_workers(command: list[str], stop: signal.Signals, scratch: str) -> None:
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=dict(os.environ, TMPDIR=scratch))
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -428,6 +436,9 @@ def test_stopping_the_launcher_stops_its_workers(stop: signal.Signals) -> None:
                 break
             time.sleep(0.2)
         assert not alive, f"workers {alive} outlived the launcher"
+        if stop == signal.SIGTERM:
+            left = [name for name in os.listdir(scratch) if name.startswith("gradwire-train-")]
+            assert not left, f"the launcher left {left} after SIGTERM"
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,9 +36,21 @@ def python(script: Path, out: Path, *args: str, timeout: float = 240,
 def run_script(command: list[str], out: Path, name: str, *, timeout: float, env: Optional[dict[str, str]] = None,
                unset: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run ``command`` in ``out`` in its own session, killed with all its children after ``timeout``;
-    raises AssertionError with the output (stdout and stderr together) on failure."""
+    raises AssertionError with the output (stdout and stderr together) on failure. Its temporary
+    files (torchrun's ``torchelastic_*`` log folders, which it leaves behind) go to ``out/tmp``,
+    removed afterwards."""
     out.mkdir(parents=True, exist_ok=True)
-    environment = dict(os.environ, GRADWIRE_TEST_OUT=str(out), OMP_NUM_THREADS="1",
+    scratch = out / "tmp"
+    scratch.mkdir(exist_ok=True)
+    try:
+        return _run_in(command, out, name, timeout, scratch, env, unset)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_in(command: list[str], out: Path, name: str, timeout: float, scratch: Path,
+            env: Optional[dict[str, str]], unset: Sequence[str]) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, GRADWIRE_TEST_OUT=str(out), OMP_NUM_THREADS="1", TMPDIR=str(scratch),
                        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                        **(env or {}))
     for variable in unset:

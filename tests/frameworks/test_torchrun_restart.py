@@ -52,8 +52,10 @@ def _children(pid: int) -> list[int]:
 
 def _run(folder: Path, kill_after_step: int | None, method: str = METHOD,
          extra: tuple[str, ...] = ()) -> tuple[str, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port()), CKPT=str(folder / "ckpt"), NODES="1", PROCS="2",
-               HEAD="127.0.0.1", PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+    (folder / "tmp").mkdir(exist_ok=True)  # torchrun's torchelastic_* folders, which it leaves, go here
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(folder / "tmp"), PORT=str(free_port()),
+               CKPT=str(folder / "ckpt"), NODES="1", PROCS="2", HEAD="127.0.0.1",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(_command(folder, extra), cwd=folder, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
