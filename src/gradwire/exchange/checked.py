@@ -31,6 +31,10 @@ import torch.distributed as dist
 from ..errors import CollectiveError
 from ..lifetime import wait_for
 
+#: ``dist.reduce_scatter_single``: torch 2.13 deprecates ``reduce_scatter_tensor`` (a FutureWarning
+#: on every rank and call) for it, with the same arguments; releases before it have only the old name
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     """Ranks in ``group`` (None: the default group); 1 without an initialized process group."""

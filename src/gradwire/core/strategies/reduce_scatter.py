@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveError, DecodeError, collective_failed
-from ...exchange.checked import wait_checked
+from ...exchange.checked import reduce_scatter_single, wait_checked
 from ...exchange.quantized import quantized_reduce_scatter
 from ...exchange.sparse_reduce_scatter import RegionStatus, sparse_reduce_scatter
 from ...lifetime import track
@@ -180,7 +180,7 @@ class DenseReduceScatter(ShardStrategy):
         self.context.stats.add("count_dense_reduce_scatter_buckets", 1)
         if target.shards > 1:
             try:
-                work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=target.group, async_op=True)
+                work = reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=target.group, async_op=True)
             except RuntimeError as error:
                 raise collective_failed("reduce_scatter_tensor (dense)", self.context.step, error) from error
             track(work)
