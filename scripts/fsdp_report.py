@@ -85,7 +85,8 @@ def _run_bytes(record: dict[str, Any]) -> str:
     fsdp = record.get("fsdp", {})
     if "bytes_vs_plain" in fsdp:
         return f"{fsdp['bytes_vs_plain']:.4f}"
-    if record.get("bytes_per_step") and "warmup_steps" not in fsdp.get("spec", "warmup_steps"):
+    spec = fsdp.get("spec")
+    if record.get("bytes_per_step") and spec is not None and "warmup_steps" not in spec:
         return f"{2 * record['bytes_per_step'] / record['bytes_ddp_per_step']:.4f}"
     return "–"
 

@@ -133,6 +133,9 @@ def test_the_simulated_all_gather_is_exact_during_the_warm_up_as_the_library_s()
     parameters = list(model.parameters())
     reduce = ShardedReduce(model, 3, quantize="int4", all_gather="int8", warmup_steps=1)
     assert all(torch.equal(a, b) for a, b in zip(reduce.gathered_weights(parameters), parameters))
+    padded = sum(layout.shard_numel([tuple(p.shape) for p in layer.parameters()], 3)
+                 for layer in model if any(True for _ in layer.parameters()))
+    assert reduce.gather_bytes_sent == 4 * 2 * padded  # counted as an exact float32 gather: (p-1) shards
     reduce([[torch.zeros(p.shape) for p in parameters] for _ in range(3)])  # the warm-up's one step
     rounded = reduce.gathered_weights(parameters)
     assert not all(torch.equal(a, b) for a, b in zip(rounded, parameters))

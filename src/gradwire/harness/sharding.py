@@ -216,9 +216,8 @@ class ShardedReduce:
         """
         assert self.all_gather_bits is not None
         if self.step < self.warmup_steps:  # the warm-up gathers exactly, as the library's does
-            self.gather_bytes_sent += 4.0 * (self.workers - 1) / self.workers * sum(
-                layout.shard_numel([self.shapes[i] for i in members], self.workers) * self.workers
-                for members in self.units)
+            # an exact float32 all-gather moves what the exact reduce-scatter does: (p - 1) shards
+            self.gather_bytes_sent += self.plain_bytes_per_worker()
             return [p.detach() for p in parameters]
         out: list[Optional[Tensor]] = [None] * len(parameters)
         for members in self.units:
