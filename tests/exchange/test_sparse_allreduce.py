@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gradwire.errors import DecodeError
 from gradwire.exchange.calibrate import measure_link
@@ -23,7 +22,7 @@ from gradwire.exchange.checked import exact_allreduce_bytes
 from gradwire.exchange.threshold_search import count_slack
 from gradwire.exchange.sparse_allreduce import sparse_allreduce
 
-from ..distributed import _entry, free_port, run_workers
+from ..distributed import _entry, free_port, run_workers, worker_context
 from .codec_adapters import DyingOnRank, FailingOnRank, Fp16Adapter
 
 NUMEL = 2000
@@ -252,8 +251,9 @@ def _peer_dies(rank: int, world_size: int, results, when: str) -> None:
         results.put((rank, str(error), time.monotonic() - start))
 
 
-def _dying_entry(rank, world_size, port, results, when):
-    _entry(_peer_dies, rank, world_size, port, queue_module.SimpleQueue(), (results, when), 20.0)
+def _dying_entry(rank, world_size, port, results, when, environment, cwd):
+    _entry(_peer_dies, rank, world_size, port, queue_module.SimpleQueue(), (results, when), 20.0,
+           environment, cwd)
 
 
 @pytest.mark.distributed
@@ -261,10 +261,12 @@ def _dying_entry(rank, world_size, port, results, when):
     ("between steps", "reduce-scatter all_to_all_single (counts)"),
     ("mid-exchange", "threshold histogram 1 all_to_all_single (reduce-scatter)")])
 def test_a_dead_peer_makes_every_survivor_raise_within_seconds(when: str, collective: str) -> None:
-    context = mp.get_context("spawn")
+    context = worker_context()
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_dying_entry, args=(rank, 3, port, results, when), daemon=True)
+    environment, cwd = dict(os.environ), os.getcwd()
+    processes = [context.Process(target=_dying_entry, daemon=True,
+                                 args=(rank, 3, port, results, when, environment, cwd))
                  for rank in range(3)]
     for process in processes:
         process.start()
