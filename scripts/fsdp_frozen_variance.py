@@ -31,7 +31,6 @@ Not a library feature: the simulator only (one process, the workers' replicas bi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Callable, Iterable, Optional
 
@@ -39,7 +38,7 @@ import torch
 
 import gradwire.harness.optimizers as optimizers
 import gradwire.harness.simulate as simulator
-from gradwire.cli.main import main as gradwire_main
+from experiment_record import run_and_mark
 
 
 class FrozenVarianceAdamW(torch.optim.Optimizer):
@@ -128,17 +127,9 @@ def main(argv: list[str]) -> int:
 
     optimizers.build_optimizer = build_optimizer  # type: ignore[assignment]
     simulator.simulate = simulate  # type: ignore[assignment]
-    command = argv[split + 1:]
-    status = gradwire_main(command)
-    if status == 0 and "--json" in command:  # the record says which optimizer it really ran
-        path = command[command.index("--json") + 1]
-        with open(path) as file:
-            record = json.load(file)
-        record["optimizer_variant"] = {"script": "scripts/fsdp_frozen_variance.py", "freeze_after": args.freeze_after,
-                                       "precondition": args.precondition}
-        with open(path, "w") as file:
-            json.dump(record, file, indent=1)
-    return status
+    return run_and_mark(argv[split + 1:], "optimizer_variant",
+                        {"script": "scripts/fsdp_frozen_variance.py", "freeze_after": args.freeze_after,
+                         "precondition": args.precondition})
 
 
 if __name__ == "__main__":

@@ -25,12 +25,11 @@ per worker, at the value codec's width. Not a library feature: the simulator onl
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
-from gradwire.cli.main import main as gradwire_main
+from experiment_record import run_and_mark
 from gradwire.fsdp import layout
 from gradwire.harness.sharding import ShardedReduce
 
@@ -70,16 +69,8 @@ def main(argv: list[str]) -> int:
     if argv[:split]:
         raise SystemExit(f"fsdp_shared_support: no options of its own, got {argv[:split]}; usage: see the docstring")
     ShardedReduce._sparse = _shared_sparse  # type: ignore[method-assign]
-    command = argv[split + 1:]
-    status = gradwire_main(command)
-    if status == 0 and "--json" in command:  # the record says which selection it really ran
-        path = command[command.index("--json") + 1]
-        with open(path) as file:
-            record = json.load(file)
-        record["selection_variant"] = {"script": "scripts/fsdp_shared_support.py", "support": "shared"}
-        with open(path, "w") as file:
-            json.dump(record, file, indent=1)
-    return status
+    return run_and_mark(argv[split + 1:], "selection_variant",
+                        {"script": "scripts/fsdp_shared_support.py", "support": "shared"})
 
 
 if __name__ == "__main__":

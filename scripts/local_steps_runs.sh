@@ -44,6 +44,8 @@ SIMS=(
     "topk3-model-fp16|diloco:sync_every=16,$W,unsent=model+topk:density=0.03,$TOPK16"
     "topk1-model-fp16-h32|diloco:sync_every=32,$W,unsent=model+topk:density=0.01,$TOPK16"
     "topk2-model-q3-h32|diloco:sync_every=32,$W,unsent=model+topk:density=0.02,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=allgather"
+    "dense-h64|diloco:sync_every=64,$W"
+    "topk4-model-q3-h64|diloco:sync_every=64,$W,unsent=model+topk:density=0.04,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=allgather"
     "randomk3-model-fp16-h32|diloco:sync_every=32,$W,unsent=model+randomk:density=0.03,values=fp16,collective=allreduce"
     "randomblock3-model-fp16-h32|diloco:sync_every=32,$W,unsent=model+randomblock:density=0.03,values=fp16,collective=allreduce"
     "topk10-decay09-fp16|diloco:sync_every=16,$W,decay=0.9,unsent=residual+topk:density=0.1,$TOPK16"
