@@ -4,8 +4,9 @@
 
 One process and one thread, the same buckets and core calls as `gradwire bench hook` (its `_Run`).
 Prints the phase medians of `--steps` unprofiled steps (after 3 untimed ones), then the functions
-with the most own time over `--steps` profiled steps (divide by the steps for per-step figures).
-Profiling adds its own per-call cost, so compare functions within one run, not with the bench.
+with the most own time over `--steps` profiled steps (divide by the steps for per-step figures);
+`SORT=cumtime` orders them by their time with callees instead. Profiling adds its own per-call
+cost, so compare functions within one run, not with the bench.
 The gradients' ``copy_`` into the buckets is the bench's stand-in for backward, outside the hook.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -43,7 +45,8 @@ def main() -> int:
         for _ in range(args.steps):
             run.step()
         profile.disable()
-        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.top)
+        order = os.environ.get("SORT", "tottime")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats(order).print_stats(args.top)
     return 0
 
 
