@@ -1,11 +1,11 @@
 """cProfile of `gradwire bench hook`'s steps for one method on one model: where the hook's CPU goes.
 
-    python scripts/hook_phase_profile.py [--method SPEC] [--model resnet18] [--steps 10] [--top 25]
+    python scripts/hook_phase_profile.py [--method SPEC] [--model resnet18] [--steps 10] [--top 25] [--sort cumtime]
 
 One process and one thread, the same buckets and core calls as `gradwire bench hook` (its `_Run`).
 Prints the phase medians of `--steps` unprofiled steps (after 3 untimed ones), then the functions
 with the most own time over `--steps` profiled steps (divide by the steps for per-step figures);
-`SORT=cumtime` orders them by their time with callees instead. Profiling adds its own per-call
+`--sort cumtime` orders them by their time with callees instead. Profiling adds its own per-call
 cost, so compare functions within one run, not with the bench.
 The gradients' ``copy_`` into the buckets is the bench's stand-in for backward, outside the hook.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
 import sys
@@ -28,6 +27,8 @@ def main() -> int:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sort", choices=("tottime", "cumtime"), default="tottime",
+                        help="order functions by own time (tottime) or with callees (cumtime)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from gradwire.bench import hook as bench
@@ -45,8 +46,7 @@ def main() -> int:
         for _ in range(args.steps):
             run.step()
         profile.disable()
-        order = os.environ.get("SORT", "tottime")
-        pstats.Stats(profile, stream=sys.stdout).sort_stats(order).print_stats(args.top)
+        pstats.Stats(profile, stream=sys.stdout).sort_stats(args.sort).print_stats(args.top)
     return 0
 
 
