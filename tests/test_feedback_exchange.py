@@ -93,3 +93,24 @@ def test_finite_check_is_exact() -> None:
     assert _all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the values do not
     assert not _all_finite(torch.tensor([1.0, float("nan")]))
     assert not _all_finite(torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_updating_pieces_end_to_end_keeps_what_updating_each_keeps(decay: float) -> None:
+    # a shared support keeps a bucket's residuals with one scatter over its flat compensated gradient
+    generator = torch.Generator().manual_seed(2)
+    numels = [7, 1, 300, 40]
+    flat = torch.randn(sum(numels), generator=generator)
+    positions = torch.tensor([0, 6, 7, 8, 100, 307, 347])
+    received = torch.randn(positions.numel(), generator=generator).half()
+    each, pieces = ErrorFeedback(decay=decay), ErrorFeedback(decay=decay)
+    offsets = [0, 7, 8, 308]
+    for key, (offset, numel) in enumerate(zip(offsets, numels)):
+        inside = (positions >= offset) & (positions < offset + numel)
+        each.update(key, flat[offset: offset + numel].clone(), positions[inside] - offset, received[inside])
+    pieces.update_pieces([0, 1, 2, 3], numels, flat, positions, received)
+    for key in range(4):
+        assert torch.equal(each.residuals[key], pieces.residuals[key])
+    assert pieces.residuals[2].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # views, no copy
+    with pytest.raises(NotImplementedError, match="entry by entry"):
+        MomentumCorrection().update_pieces([0], [3], torch.zeros(3), torch.tensor([0]), torch.ones(1))

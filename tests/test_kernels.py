@@ -169,7 +169,9 @@ def test_the_deferred_check_finds_what_the_pipelines_check_finds(compressor: str
     native = run_workers(worker_deferred_check, 2, True, compressor, timeout=150)
     plain = run_workers(worker_deferred_check, 2, False, compressor, timeout=150)
     for rank in (0, 1):
-        assert [r["deferred"] for r in native[rank]] == [[0, 1]] * 4  # the 300-element one is checked first
+        # top-k: the 300-element one is checked first; a shared support checks the whole bucket in one pass
+        expected = [[0, 1]] if compressor == "topk" else [[0, 1, 2]]
+        assert [r["deferred"] for r in native[rank]] == expected * 4
         assert [r["deferred"] for r in plain[rank]] == [[]] * 4
         for mine, theirs in zip(native[rank], plain[rank]):
             assert {k: v for k, v in mine.items() if k != "deferred"} == \
@@ -311,3 +313,43 @@ def test_divide_and_hash_sees_one_changed_bit_and_one_nan_anywhere() -> None:
     swapped = values.copy()
     swapped[[3, 67]] = swapped[[67, 3]]  # the same lane, another order
     assert not np.array_equal(kernels.divide_and_hash(swapped, 2.0)[1], reference)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compensate_and_check_segments_equals_each_segment_alone(dtype: type) -> None:
+    # segments with and without a residual, an empty one, one shorter than a block, an all-zero
+    # gradient and a NaN: the sums bit for bit, each segment's own nonzero flag, one finite flag
+    rng = np.random.default_rng(3)
+    sizes = [5, 64, 0, 130, 1, 70_001, 3]
+    ends = np.cumsum(sizes, dtype=np.int64)
+    add = np.array([True, False, True, True, False, True, False])
+    for case in ("plain", "zero", "nan"):
+        grad = rng.standard_normal(int(ends[-1])).astype(dtype)
+        residual = rng.standard_normal(grad.size).astype(dtype)
+        if case == "zero":
+            grad[ends[2]: ends[3]] = 0.0
+        if case == "nan":
+            grad[ends[4] + 17] = np.nan  # in a segment without a residual
+        expected, begin = grad.copy(), 0
+        for end, adds in zip(ends, add):
+            if adds:
+                expected[begin:end] = grad[begin:end] + residual[begin:end]
+            begin = end
+        out = np.empty_like(grad)
+        finite, nonzero = kernels.compensate_and_check_segments(grad, residual, add, out, ends=ends, zero_grad=True)
+        np.testing.assert_array_equal(out, expected)
+        assert finite == (case != "nan")
+        assert nonzero.tolist() == [True, True, False, case != "zero", True, True, True]
+        assert not grad.any()  # zeroed once read
+
+
+def test_compensate_and_check_segments_without_a_residual_and_its_errors() -> None:
+    grad = np.arange(10, dtype=np.float32)
+    out = np.empty_like(grad)
+    ends = np.array([1, 10], dtype=np.int64)
+    finite, nonzero = kernels.compensate_and_check_segments(grad, None, np.zeros(2, np.bool_), out, ends=ends)
+    assert finite and nonzero.tolist() == [False, True] and out.tolist() == list(range(10)) and grad[9] == 9
+    with pytest.raises(ValueError, match="no residual"):
+        kernels.compensate_and_check_segments(grad, None, np.ones(2, np.bool_), out, ends=ends)
+    with pytest.raises(ValueError, match="2 segments ending at 9 for 10 elements"):
+        kernels.compensate_and_check_segments(grad, None, np.zeros(2, np.bool_), out, ends=np.array([1, 9]))

@@ -162,3 +162,45 @@ def test_pieces_of_an_fsdp_style_input_select_as_alone() -> None:
     for entry in group.entries:
         assert torch.equal(entry.indices, topk.largest_magnitudes(entry.grad.clone(), round(0.1 * entry.numel)))
         assert entry.values is not None and torch.equal(entry.values, entry.grad[entry.indices])
+
+
+def test_a_shared_support_compensates_and_checks_its_bucket_in_one_pass_as_entry_by_entry() -> None:
+    # randomblock: one native pass over the whole bucket (check included) against the per-entry
+    # path after the pipeline's check; the same compensated gradients, positions and unused flags
+    sizes = [50_000, 300, 7, 40_000]
+    generator = torch.Generator().manual_seed(4)
+
+    def group_of(buffer: torch.Tensor) -> Group:
+        group, offset = Group(BufferTarget([buffer])), 0
+        for index, numel in enumerate(sizes):
+            group.entries.append(Entry(index, index, buffer[offset: offset + numel], offset))
+            offset += numel
+        return group
+
+    selections = [Selection(get_sparsifier("randomblock", density=0.01), ErrorFeedback(), "layer", ExchangeStats())
+                  for _ in range(2)]
+    for step, zero_entry in enumerate([None, 2, None]):
+        gradient = torch.randn(sum(sizes), generator=generator)
+        if zero_entry is not None:
+            gradient[50_300: 50_307] = 0.0
+        groups = []
+        for one_pass, selection in zip((True, False), selections):
+            group = group_of(gradient.clone())
+            deferred = selection.deferrable(group) if one_pass else frozenset()
+            assert deferred == (frozenset(range(4)) if one_pass else frozenset())
+            check_entries(group, skip=deferred)
+            selection.run(group, step, deferred=deferred)
+            for entry in group.entries:  # what the strategy keeps: the values at the positions, sent whole
+                group.keep(entry, entry.indices, entry.compensated[entry.indices].clone())
+            for key, compensated, indices, sent in group.feedback_updates:
+                selection.feedback.update(key, compensated, indices, sent)
+            groups.append(group)
+        fused, plain = groups
+        assert fused.target.zeroed and not fused.target.buffers[0].any()  # the output's zero-fill, done
+        assert (fused.compensated_flat is not None) == (zero_entry is None)
+        for mine, theirs in zip(fused.entries, plain.entries):
+            assert mine.unused == theirs.unused == (mine.key == zero_entry)
+            assert torch.equal(mine.compensated, theirs.compensated) and torch.equal(mine.indices, theirs.indices)
+        assert selections[0].stats.snapshot()["count_compensations"] == 4 * (step + 1)
+    for key in range(4):
+        assert torch.equal(selections[0].feedback.residuals[key], selections[1].feedback.residuals[key])

@@ -229,6 +229,55 @@ def compensate_top_pieces(source: np.ndarray, starts: np.ndarray, residual: np.n
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
+def compensate_check_segments(grad: np.ndarray, residual: np.ndarray, add: np.ndarray, out: np.ndarray,
+                              ends: np.ndarray, nonzero: np.ndarray, zero_grad: bool) -> bool:
+    """``compensate_scan``'s flags-only pass over consecutive segments of one array in one call:
+    segment i is ``[ends[i-1], ends[i])`` (from 0), ``out = grad + residual`` there where
+    ``add[i]``, ``out = grad`` elsewhere; ``nonzero[i]`` says whether segment i's gradient has a
+    non-zero element. A DDP bucket's 62 tensors, small ones included, cost one call and no check
+    of their own. Returns whether every element of ``out`` is finite."""
+    finite = True
+    begin = 0
+    for i in range(ends.size):
+        end = ends[i]
+        if add[i]:
+            _, segment_finite, segment_nonzero = compensate_scan(
+                grad[begin:end], residual[begin:end], out[begin:end], np.inf, positions_none(), values_none(out),
+                zero_grad, False)
+        else:
+            segment_finite, segment_nonzero = copy_check(grad[begin:end], out[begin:end], zero_grad)
+        finite &= segment_finite
+        nonzero[i] = segment_nonzero
+        begin = end
+    return finite
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def positions_none() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def values_none(like: np.ndarray) -> np.ndarray:
+    return np.empty(0, dtype=like.dtype)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def copy_check(grad: np.ndarray, out: np.ndarray, zero_grad: bool) -> tuple:
+    """``out = grad`` (a segment with nothing owed), the same flags as ``compensate_scan``'s."""
+    finite = True
+    nonzero = False
+    for i in range(out.size):
+        g = grad[i]
+        out[i] = g
+        finite &= abs(g) < np.inf
+        nonzero |= g != 0
+        if zero_grad:
+            grad[i] = 0.0
+    return finite, nonzero
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
 def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha: float) -> int:
     """``target[positions[i]] += alpha * values[i]`` in order (repeated positions accumulate, as
     ``index_add_`` does). Returns 0 when every value written is finite (a sum that is not finite

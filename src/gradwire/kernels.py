@@ -173,6 +173,42 @@ def compensate_and_check(grad: np.ndarray, residual: Optional[np.ndarray], out: 
     return bool(finite), bool(nonzero)
 
 
+def compensate_and_check_segments(grad: np.ndarray, residual: Optional[np.ndarray], add: np.ndarray,
+                                  out: np.ndarray, *, ends: np.ndarray,
+                                  zero_grad: bool = False) -> "tuple[bool, np.ndarray]":
+    """:func:`compensate_and_check` for consecutive segments of one array in one call (a bucket's
+    tensors, small ones included): ``out = grad + residual`` on segment i where ``add[i]``,
+    ``out = grad`` elsewhere, with the pipeline's check on the way.
+
+    Args:
+        grad: (n,) contiguous float32/float64; ``out`` (and ``residual`` when given) the same
+            dtype and size.
+        residual: (n,) or None (nothing is owed: ``add`` must be all False).
+        add: (m,) bool, whether segment i adds its part of ``residual``.
+        out: (n,) receives the compensated segments.
+        ends: (m,) int64, ascending, the last one ``n``: segment i is ``[ends[i-1], ends[i])``.
+        zero_grad: also set ``grad`` to zeros once read (see :func:`compensate_and_scan`).
+
+    Returns:
+        ``(finite, nonzero)``: whether every ``out`` element is finite, and a (m,) bool array,
+        whether segment i's gradient has an element that is not zero.
+
+    Raises:
+        ValueError: ``ends`` do not end at ``n``, or a residual is to be added but none is given.
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    native = _require()
+    if ends.size != add.size or (ends.size and int(ends[-1]) != out.size) or out.size != grad.size:
+        raise ValueError(f"compensate_and_check_segments: {ends.size} segments ending at "
+                         f"{int(ends[-1]) if ends.size else 0} for {grad.size} elements, {add.size} add flags")
+    if residual is None and add.any():
+        raise ValueError("compensate_and_check_segments: add is set for a segment but there is no residual")
+    nonzero = np.zeros(ends.size, dtype=np.bool_)
+    finite = native.compensate_check_segments(grad, grad if residual is None else residual, add, out, ends, nonzero,
+                                              zero_grad)
+    return bool(finite), nonzero
+
+
 #: unsigned words of each float width, for :func:`divide_and_hash`
 _WORDS = {4: np.uint32, 8: np.uint64}
 _LANE_MULTIPLIER = 0x9E3779B97F4A7C15  # as gradwire._native.LANE_MULTIPLIER

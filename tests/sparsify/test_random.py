@@ -70,3 +70,21 @@ def test_wrapped_block() -> None:
     assert wrapped_block(10, 4, 8, torch.device("cpu")).tolist() == [0, 1, 8, 9]
     assert wrapped_block(10, 4, 6, torch.device("cpu")).tolist() == [6, 7, 8, 9]
     assert wrapped_block(10, 4, 0, torch.device("cpu")).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("amount", [{"density": 0.01}, {"density": 0.3}, {"density": 1.0}, {"k": 5}])
+def test_randomblock_selects_many_tensors_at_once_as_one_by_one(amount: dict) -> None:
+    # a bucket's tensors in one call: empty, single-element, whole and wrapping blocks alike
+    sparsifier = get_sparsifier("randomblock", seed=3, **amount)
+    numels = [0, 1, 7, 64, 1000, 50_000, 3, 999] * 4
+    tensor_ids = list(range(100, 100 + len(numels)))
+    wrapped = 0
+    for step in range(6):
+        together = sparsifier.select_segments(numels, step=step, tensor_ids=tensor_ids, device=torch.device("cpu"))
+        for numel, tensor_id, indices in zip(numels, tensor_ids, together):
+            alone = sparsifier.select(torch.zeros(numel), step=step, tensor_id=tensor_id)
+            assert torch.equal(indices, alone), (numel, tensor_id, step)
+            wrapped += int(indices.numel() > 1 and bool((indices[1:] - indices[:-1] > 1).any()))
+    assert wrapped > 0 or amount.get("density") == 1.0  # the wrapping blocks' rewrite was exercised
+    assert get_sparsifier("randomk", density=0.1).select_segments(
+        [10], step=0, tensor_ids=[0], device=torch.device("cpu")) is None  # one by one

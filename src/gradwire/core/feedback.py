@@ -130,6 +130,24 @@ class ErrorFeedback:
             compensated.mul_(self.decay)
         self._keep(key, compensated)
 
+    def update_pieces(self, keys: "list[Hashable]", numels: "list[int]", compensated: torch.Tensor,
+                      positions: torch.Tensor, received: torch.Tensor) -> None:
+        """:meth:`update` for many keys whose compensated gradients lie end to end in one flat
+        tensor (``numels`` each, in order): one scatter over it, then each key keeps its view.
+
+        Args:
+            keys: the pieces' keys, in order.
+            numels: their element counts (summing to ``compensated.numel()``).
+            compensated: (sum of numels,) float32/float64, consumed (modified in place, kept as views).
+            positions: (k,) int64, distinct, in ``compensated``'s flat space.
+            received: (k,) what was received there (cast to ``compensated``'s dtype).
+        """
+        scatter_add(compensated, positions, received.to(compensated.dtype), alpha=-1)
+        if self.decay != 1.0:
+            compensated.mul_(self.decay)
+        for key, piece in zip(keys, compensated.split(numels)):
+            self._keep(key, piece)
+
     def replace(self, key: Hashable, residual: torch.Tensor) -> None:
         """Keep ``residual`` (flat) for ``key``: an exchange that computed the new residual whole
         (the hierarchical one keeps each rank's shard of the node's sum)."""
@@ -228,6 +246,11 @@ class MomentumCorrection(ErrorFeedback):
     def clear(self, key: Hashable) -> None:
         super().clear(key)
         self.velocities.pop(key, None)
+
+    def update_pieces(self, keys: "list[Hashable]", numels: "list[int]", compensated: torch.Tensor,
+                      positions: torch.Tensor, received: torch.Tensor) -> None:
+        # the selection never lays momentum-corrected entries end to end (Selection.segments_apply)
+        raise NotImplementedError("momentum correction keeps its residuals entry by entry (update)")
 
     def load_velocities(self, velocities: dict[Hashable, torch.Tensor]) -> None:
         """Restore checkpointed velocities (flat, already checked and on the gradients' device)."""

@@ -249,6 +249,13 @@ class Group:
     feedback_clears: list[Hashable] = field(default_factory=list)
     #: residuals an exchange computed whole (hierarchical: its shard of the node's sum)
     feedback_sets: list[tuple[Hashable, torch.Tensor]] = field(default_factory=list)
+    #: every entry's ``compensated`` as one flat tensor in the group's flat order, set by the
+    #: selection when it wrote them end to end and no entry is unused (None otherwise): a
+    #: strategy can gather from it and keep its residual in one call instead of one per entry
+    compensated_flat: Optional[torch.Tensor] = None
+    #: :meth:`keep_flat`'s updates: (keys, numels, flat compensated, positions in it, sent there)
+    feedback_flat_updates: list[tuple[list[Hashable], list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -305,6 +312,13 @@ class Group:
         if entry.unused or entry.compensated is None:
             return
         self.feedback_updates.append((entry.key, entry.compensated, indices, sent))
+
+    def keep_flat(self, positions: torch.Tensor, sent: torch.Tensor) -> None:
+        """:meth:`keep` for every entry at once: ``residual = compensated_flat - sent at positions``
+        (int64 positions in the group's flat space, distinct), each entry's residual its view of it."""
+        assert self.compensated_flat is not None, "keep_flat needs the selection's compensated_flat"
+        self.feedback_flat_updates.append(([e.key for e in self.entries], [e.numel for e in self.entries],
+                                           self.compensated_flat, positions, sent))
 
     def keep_residual(self, entry: Entry, residual: torch.Tensor) -> None:
         """Record ``residual`` (flat, the entry's numel) as the entry's new residual for the round's end."""

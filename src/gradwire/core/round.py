@@ -162,4 +162,6 @@ class Round:
                 self.feedback.replace(key, residual)
             for key, compensated, indices, sent in group.feedback_updates:
                 self.feedback.update(key, compensated, indices, sent)
+            for keys, numels, flat, positions, sent in group.feedback_flat_updates:
+                self.feedback.update_pieces(keys, numels, flat, positions, sent)
 

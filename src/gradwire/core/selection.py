@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -34,6 +35,7 @@ class Selection:
     first: an unused entry selects nothing and keeps its residual whole; NaN makes a per-rank
     support select nothing and a shared one select its positions on zeros. It also zeroes the
     bucket buffer on the way (``BufferTarget.zeroed``), which the strategy's output then is.
+    A shared support defers the whole group's check to one native pass (:meth:`segments_apply`).
     """
 
     def __init__(self, sparsifier: Sparsifier, feedback: Optional[ErrorFeedback], scope: str,
@@ -58,13 +60,30 @@ class Selection:
         docstring); empty unless the selection is fused and the kernels are here."""
         if self.scope != "layer" or type(self.feedback) not in (ErrorFeedback, type(None)) or not kernels.available():
             return frozenset()
+        if self.segments_apply(group):
+            return frozenset(range(len(group.entries)))
         return frozenset(position for position, entry in enumerate(group.entries)
                          if self.sparsifier.fused_check_applies(entry.grad))
+
+    def segments_apply(self, group: Group) -> bool:
+        """Whether :meth:`run` compensates and checks the whole group in one native call
+        (:meth:`_run_segments`): a support every rank shares (its positions need no values, so
+        nothing is fused with the pass but the check), per-layer, plain error feedback or none,
+        and a group that tiles one float32/float64 CPU buffer the strategy sums into."""
+        if not (self.sparsifier.shared_support and self.scope == "layer" and group.entries
+                and type(self.feedback) in (ErrorFeedback, type(None)) and kernels.available() and _zeroable(group)):
+            return False
+        assert isinstance(group.target, BufferTarget)
+        buffer = group.target.buffers[0]
+        return buffer.device.type == "cpu" and buffer.dtype in (torch.float32, torch.float64)
 
     def run(self, group: Group, step: int, *, deferred: "frozenset[int]" = frozenset()) -> None:
         """Steps 1-3: compensate, then select (fused per entry where the sparsifier can, see
         :meth:`~gradwire.sparsify.Sparsifier.select_compensated`: timed as ``select`` then).
         ``deferred``: entries the pipeline did not check (:meth:`deferrable`)."""
+        if deferred and len(deferred) == len(group.entries) and self.segments_apply(group):
+            self._run_segments(group, step)
+            return
         if self.scope == "layer" and type(self.feedback) in (ErrorFeedback, type(None)):
             self._run_fused(group, step, deferred)
             return
@@ -131,6 +150,53 @@ class Selection:
                 group.target.zeroed = True
         self.stats.add("count_compensations", len(group.entries))
         self.stats.add("count_selections", len(group.entries))
+
+    def _run_segments(self, group: Group, step: int) -> None:
+        """Steps 1-3 for a group :meth:`segments_apply` to, its check deferred whole: one native
+        pass compensates every entry into one flat buffer end to end, checks them (finite, unused)
+        and zeroes the bucket; then the positions, per entry. What each entry ends with is what
+        :meth:`_run_fused` gives it; only the rounds of Python per entry (62 for ResNet-18's
+        bucket, most of them biases and norms) and the pipeline's own check go."""
+        entries = group.entries
+        assert isinstance(group.target, BufferTarget)
+        buffer = group.target.buffers[0].view(-1)
+        numels = [entry.numel for entry in entries]
+        with self.stats.timer("select"):
+            if self.feedback is not None:
+                out, residual, has_residual = self.feedback.prepare_pieces([e.key for e in entries], numels, buffer)
+            else:
+                out = torch.empty(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+                residual, has_residual = None, [False] * len(entries)
+            finite, nonzero = kernels.compensate_and_check_segments(
+                buffer.detach().numpy(), None if residual is None else residual.numpy(),
+                np.array(has_residual, dtype=np.bool_), out.numpy(),
+                ends=np.cumsum(numels, dtype=np.int64), zero_grad=True)
+            group.target.zeroed = True  # every gradient was read out of the buffer, then zeroed
+            group.finite = group.finite and finite
+            if not group.finite:
+                self._as_nonfinite(group, step)  # reads no gradient: they are zeros now
+            else:
+                for entry, piece, used in zip(entries, out.split(numels), nonzero.tolist()):
+                    entry.unused = not used
+                    # an unused entry sends zeros and keeps its residual whole (_compensate reads no gradient)
+                    entry.compensated = self._compensate(entry, True) if entry.unused else piece
+                    entry.values = None
+                self._select_all(group, step)
+                if all(used for used in nonzero.tolist()):
+                    group.compensated_flat = out
+        self.stats.add("count_compensations", len(entries))
+        self.stats.add("count_selections", len(entries))
+
+    def _select_all(self, group: Group, step: int) -> None:
+        """Every entry's positions: in one call where the sparsifier has one (positions that need
+        no values), else entry by entry (:meth:`_select_one`)."""
+        entries = group.entries
+        selected = self.sparsifier.select_segments([e.numel for e in entries], step=step,
+                                                   tensor_ids=[e.tensor_id for e in entries], device=group.device)
+        if selected is None:
+            selected = [self._select_one(entry, step) for entry in entries]
+        for entry, indices in zip(entries, selected):
+            entry.indices = indices
 
     def _select_pieces(self, group: Group, deferred: "frozenset[int]") -> "frozenset[int]":
         """The checked, used entries of a finite group that the sparsifier takes many at a time

@@ -124,6 +124,14 @@ class Sparsifier(Configurable, ABC):
             torch.add(grad.reshape(-1), residual, out=out)
         return self.select(out, step=step, tensor_id=tensor_id)
 
+    def select_segments(self, numels: "list[int]", *, step: int, tensor_ids: "list[int]",
+                        device: torch.device) -> "list[torch.Tensor] | None":
+        """:meth:`select` for many tensors at once, for a sparsifier whose positions need no values
+        (``shared_support``): what :meth:`select` answers for tensor i (``numels[i]`` elements,
+        ``tensor_ids[i]``), as a list of int64 tensors on ``device``; None here (no such path:
+        the caller selects tensor by tensor)."""
+        return None
+
     def pieces_apply(self, grad: torch.Tensor) -> bool:
         """Whether :meth:`select_compensated_pieces` takes ``grad`` (False here: a sparsifier
         without a many-pieces path is called piece by piece)."""

@@ -126,3 +126,25 @@ class RandomBlock(BudgetSparsifier):
         # cost 7 us here (ResNet-18's 62 tensors: 0.4 ms a step, 5% of randomblock's hook).
         start = mixed_seed(self.seed, step, tensor_id) % flat.numel()
         return wrapped_block(flat.numel(), k, start, flat.device)
+
+    def select_segments(self, numels: "list[int]", *, step: int, tensor_ids: "list[int]",
+                        device: torch.device) -> "list[torch.Tensor]":
+        """Every tensor's block in a few passes over the blocks' total, not a round of Python and
+        an ``arange`` per tensor (ResNet-18's bucket: 62 tensors, 112k positions): one ``arange``
+        shifted per block; a block that wraps past its tensor's end (about one in 1/density) is
+        then written again by :func:`wrapped_block`. The same positions as :meth:`select`."""
+        counts = [self.target_k(numel) for numel in numels]
+        # select()'s start: 0 when the block is the whole tensor (BudgetSparsifier._select's arange)
+        starts = [mixed_seed(self.seed, step, tensor_id) % numel if 0 < k < numel else 0
+                  for numel, k, tensor_id in zip(numels, counts, tensor_ids)]
+        firsts = [0] * len(counts)
+        for i in range(1, len(counts)):
+            firsts[i] = firsts[i - 1] + counts[i - 1]
+        shifts = torch.tensor([start - first for start, first in zip(starts, firsts)], dtype=torch.int64)
+        total = firsts[-1] + counts[-1] if counts else 0
+        positions = torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
+            shifts, torch.tensor(counts, dtype=torch.int64), output_size=total)
+        for numel, k, start, first in zip(numels, counts, starts, firsts):
+            if start + k > numel:
+                positions[first: first + k] = wrapped_block(numel, k, start, positions.device)
+        return list(positions.to(device).split(counts))

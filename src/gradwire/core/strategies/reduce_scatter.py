@@ -131,6 +131,7 @@ class ShardStrategy(ExchangeStrategy):
         group.feedback_updates.extend(sub.feedback_updates)
         group.feedback_clears.extend(sub.feedback_clears)
         group.feedback_sets.extend(sub.feedback_sets)
+        group.feedback_flat_updates.extend(sub.feedback_flat_updates)
         if sub.status == Status.FAILED:
             group.mark_failed(sub.error or RuntimeError("the AllReduce across replicas failed"))
         elif sub.status == Status.NONFINITE and group.status == Status.PENDING:

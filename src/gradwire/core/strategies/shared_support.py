@@ -28,10 +28,9 @@ class SharedSupportAllReduce(ExchangeStrategy):
         wire_dtype = _WIRE_DTYPES.get(context.value_codec.name, torch.float32)
         device = group.device
         with context.stats.timer("encode"):
-            pieces = [torch.zeros(e.indices.numel(), dtype=e.compensated.dtype, device=e.compensated.device)
-                      if e.unused else e.compensated[e.indices] for e in group.entries]
-            positions = [e.offset + e.indices for e in group.entries]  # in the group's flat space
-            sent = torch.cat(pieces).to(wire_dtype) if pieces else torch.zeros(0, dtype=wire_dtype)
+            positions = torch.cat([e.offset + e.indices for e in group.entries]) if group.entries \
+                else torch.zeros(0, dtype=torch.int64, device=device)  # in the group's flat space
+            sent = _gathered(group, positions).to(wire_dtype)
             flag = torch.tensor([0.0 if group.finite else 1.0], dtype=wire_dtype, device=sent.device)
             message = torch.cat([sent, flag]).to(device)
         context.stats.add("bytes_sent", ring_allreduce_bytes(message.numel(), message.element_size(),
@@ -51,14 +50,29 @@ class SharedSupportAllReduce(ExchangeStrategy):
                 out = group.output_buffer(dtype)
                 # one scatter into the output and one cast of what was sent for the whole group:
                 # per entry only the residual's update remains (ResNet-18: 62 entries, a few us each)
-                out[torch.cat(positions)] = averaged
+                out[positions] = averaged
                 kept = sent.to(device=device, dtype=dtype)
-                position = 0
-                for entry in group.entries:
-                    k = entry.indices.numel()
-                    group.keep(entry, entry.indices, kept[position: position + k])
-                    position += k
+                if group.compensated_flat is not None:  # the residual's update too, once for the group
+                    group.keep_flat(positions, kept)
+                else:
+                    position = 0
+                    for entry in group.entries:
+                        k = entry.indices.numel()
+                        group.keep(entry, entry.indices, kept[position: position + k])
+                        position += k
                 group.write(out)
 
         summed = allreduce_sum(message, context.process_group, collective="AllReduce (shared support)")
         return Exchange(context, group, summed, finish)
+
+
+def _gathered(group: Group, positions: torch.Tensor) -> torch.Tensor:
+    """The compensated values at ``positions`` (the entries' shared positions in the group's flat
+    space, end to end), zeros for unused entries: one gather from ``group.compensated_flat`` when
+    the selection set it, else one per entry."""
+    if group.compensated_flat is not None:
+        return group.compensated_flat[positions]
+    if not group.entries:
+        return torch.zeros(0, dtype=group.dtype, device=group.device)
+    return torch.cat([torch.zeros(e.indices.numel(), dtype=e.compensated.dtype, device=e.compensated.device)
+                      if e.unused else e.compensated[e.indices] for e in group.entries])
