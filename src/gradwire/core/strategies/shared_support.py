@@ -28,8 +28,7 @@ class SharedSupportAllReduce(ExchangeStrategy):
         wire_dtype = _WIRE_DTYPES.get(context.value_codec.name, torch.float32)
         device = group.device
         with context.stats.timer("encode"):
-            positions = torch.cat([e.offset + e.indices for e in group.entries]) if group.entries \
-                else torch.zeros(0, dtype=torch.int64, device=device)  # in the group's flat space
+            positions = _flat_positions(group)
             sent = _gathered(group, positions).to(wire_dtype)
             flag = torch.tensor([0.0 if group.finite else 1.0], dtype=wire_dtype, device=sent.device)
             message = torch.cat([sent, flag]).to(device)
@@ -64,6 +63,19 @@ class SharedSupportAllReduce(ExchangeStrategy):
 
         summed = allreduce_sum(message, context.process_group, collective="AllReduce (shared support)")
         return Exchange(context, group, summed, finish)
+
+
+def _flat_positions(group: Group) -> torch.Tensor:
+    """The entries' positions in the group's flat space, end to end (int64, ascending): three calls
+    over all of them rather than an addition per entry (ResNet-18's bucket: 62 entries)."""
+    if not group.entries:
+        return torch.zeros(0, dtype=torch.int64, device=group.device)
+    indices = [e.indices for e in group.entries]
+    counts = torch.tensor([i.numel() for i in indices], dtype=torch.int64)
+    offsets = torch.tensor([e.offset for e in group.entries], dtype=torch.int64)
+    joined = torch.cat(indices)
+    shifts = torch.repeat_interleave(offsets, counts, output_size=joined.numel())
+    return joined + shifts.to(joined.device)
 
 
 def _gathered(group: Group, positions: torch.Tensor) -> torch.Tensor:
