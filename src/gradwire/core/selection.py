@@ -154,7 +154,7 @@ class Selection:
     def _run_segments(self, group: Group, step: int) -> None:
         """Steps 1-3 for a group :meth:`segments_apply` to, its check deferred whole: one native
         pass compensates every entry into one flat buffer end to end, checks them (finite, unused)
-        and zeroes the bucket; then the positions, per entry. What each entry ends with is what
+        and zeroes the bucket; then every entry's positions (:meth:`_select_all`). What each entry ends with is what
         :meth:`_run_fused` gives it; only the rounds of Python per entry (62 for ResNet-18's
         bucket, most of them biases and norms) and the pipeline's own check go."""
         entries = group.entries
@@ -176,13 +176,14 @@ class Selection:
             if not group.finite:
                 self._as_nonfinite(group, step)  # reads no gradient: they are zeros now
             else:
-                for entry, piece, used in zip(entries, out.split(numels), nonzero.tolist()):
-                    entry.unused = not used
+                used = nonzero.tolist()
+                for entry, piece, entry_used in zip(entries, out.split(numels), used):
+                    entry.unused = not entry_used
                     # an unused entry sends zeros and keeps its residual whole (_compensate reads no gradient)
                     entry.compensated = self._compensate(entry, True) if entry.unused else piece
                     entry.values = None
                 self._select_all(group, step)
-                if all(used for used in nonzero.tolist()):
+                if all(used):
                     group.compensated_flat = out
         self.stats.add("count_compensations", len(entries))
         self.stats.add("count_selections", len(entries))
