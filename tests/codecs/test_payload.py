@@ -234,3 +234,25 @@ def test_fuzz_mutated_payloads_of_every_codec_pair() -> None:
         except gradwire.DecodeError:
             continue
         _assert_consistent(tensors)
+
+
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+def test_float_conversion_keeps_nan_payloads_found_by_one_sum(narrow: torch.dtype) -> None:
+    # the NaN test is one sum first: a NaN anywhere, and only +Inf beside -Inf besides, take the
+    # exact path; each case must give the bits the element-wise conversion gives
+    from gradwire.codecs.values.floats import convert_float
+
+    wide = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    words = wide.view(torch.int32)
+    words[[5, 500, 999]] = torch.tensor([0x7FC00001, 0x7F812345, -0x00400001], dtype=torch.int32)  # payload NaNs
+    narrowed = convert_float(wide, narrow)
+    if narrow == torch.float16:
+        expected = torch.from_numpy(wide.numpy().astype(np.float16))
+    else:
+        expected = (words >> 16).to(torch.int16).view(torch.bfloat16)
+        expected[~torch.isnan(wide)] = wide[~torch.isnan(wide)].to(torch.bfloat16)
+    assert torch.equal(narrowed.view(torch.int16), expected.view(torch.int16))
+    widened = convert_float(narrowed, torch.float32)
+    assert torch.equal(convert_float(widened, narrow).view(torch.int16), narrowed.view(torch.int16))  # round trip
+    infinities = torch.tensor([1.0, float("inf"), -float("inf"), -2.0])  # a NaN sum without a NaN
+    assert torch.equal(convert_float(infinities, narrow), infinities.to(narrow))
