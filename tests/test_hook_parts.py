@@ -9,7 +9,7 @@ import torch
 
 from gradwire.hook import CommHookState, HookConfig
 from gradwire.core.frames import FrameSizes
-from gradwire.core.group import BufferTarget, Entry, Group
+from gradwire.core.group import BufferTarget, Entry, Group, flat_positions
 
 from .distributed import run_workers
 
@@ -186,3 +186,11 @@ def test_a_zeroed_buffer_target_skips_one_zero_fill_and_a_write_clears_the_flag(
     target.write(torch.full((8,), 2.0))
     assert not target.zeroed
     assert torch.equal(target.output(torch.float32), torch.zeros(8))
+
+
+def test_flat_positions_shift_each_entry_by_its_offset() -> None:
+    indices = [torch.tensor([0, 4]), torch.zeros(0, dtype=torch.int64), torch.tensor([1]), torch.tensor([2, 3, 9])]
+    offsets = [0, 10, 10, 100]
+    assert flat_positions(indices, offsets).tolist() == [0, 4, 11, 102, 103, 109]
+    with pytest.raises(ValueError, match="no entries"):
+        flat_positions([], [])

@@ -342,6 +342,22 @@ class Group:
             self.status, self.error = Status.FAILED, error
 
 
+def flat_positions(indices: "list[torch.Tensor]", offsets: "list[int]") -> torch.Tensor:
+    """Per-entry int64 ``indices`` (each relative to its entry) as positions in the group's flat
+    space, end to end: ``indices[i] + offsets[i]``, in three calls over all of them instead of an
+    addition per entry (ResNet-18's bucket: 62 entries). On the indices' device.
+
+    Raises:
+        ValueError: ``indices`` is empty (there is no device to put the result on).
+    """
+    if not indices:
+        raise ValueError("flat_positions: no entries")
+    joined = torch.cat(indices)
+    counts = torch.tensor([i.numel() for i in indices], dtype=torch.int64)
+    shifts = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int64), counts, output_size=joined.numel())
+    return joined + shifts.to(joined.device)
+
+
 def offset_in(buffer: torch.Tensor, view: torch.Tensor) -> int:
     """Element offset of ``view`` inside ``buffer`` (DDP's gradients are views of its bucket)."""
     offset, remainder = divmod(view.data_ptr() - buffer.data_ptr(), buffer.element_size())

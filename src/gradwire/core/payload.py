@@ -27,6 +27,7 @@ import torch
 from .. import codecs as codec_layer
 from ..codecs.base import IndexCodec, ValueCodec
 from ..sparse import SparseTensor
+from .group import flat_positions
 
 
 @dataclass
@@ -69,8 +70,7 @@ def encode_bucket(parts: Sequence[Part], group_numel: int, *, index_codec: Index
                   value_codec: ValueCodec) -> EncodedBucket:
     """Encode the parts of one group (``group_numel`` elements in its flat space)."""
     if parts and joins(index_codec):
-        values = torch.cat([p.selected() for p in parts])
-        positions = torch.cat([p.indices + p.offset for p in parts])
+        positions, values = _flatten([(p.selected(), p.indices) for p in parts], [p.offset for p in parts])
         order = None
         if any(b.offset < a.offset for a, b in zip(parts, parts[1:])):
             order = torch.argsort(positions)  # the wire wants ascending positions
@@ -115,7 +115,5 @@ def _flatten(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
     """Per-part (values, local indices) -> (positions, values) in the group's flat space."""
     if not pieces:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-    counts = torch.tensor([indices.numel() for _, indices in pieces], dtype=torch.int64)
-    shifts = torch.repeat_interleave(torch.tensor(list(offsets), dtype=torch.int64), counts)
-    positions = torch.cat([indices for _, indices in pieces]) + shifts
+    positions = flat_positions([indices for _, indices in pieces], list(offsets))
     return positions, torch.cat([values for values, _ in pieces])
