@@ -48,8 +48,8 @@ class SharedSupportAllReduce(ExchangeStrategy):
                 group.digest = digest_of([summed])
                 averaged = summed[:-1].to(dtype) / group.divisor
                 out = group.output_buffer(dtype)
-                # one scatter into the output and one cast of what was sent for the whole group:
-                # per entry only the residual's update remains (ResNet-18: 62 entries, a few us each)
+                # one scatter into the output and one cast of what was sent for the whole group (and
+                # one residual update when the selection laid the entries end to end, else one each)
                 out[positions] = averaged
                 kept = sent.to(device=device, dtype=dtype)
                 if group.compensated_flat is not None:  # the residual's update too, once for the group
