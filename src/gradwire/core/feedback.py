@@ -123,11 +123,7 @@ class ErrorFeedback:
 
         ``compensated`` is consumed (modified in place and stored).
         """
-        # one fused scatter (indices are distinct): the same bits as ``compensated[indices] -= received``,
-        # without its gather and separate subtraction
-        scatter_add(compensated, indices, received.to(compensated.dtype), alpha=-1)
-        if self.decay != 1.0:  # an extra pass only for a decaying memory
-            compensated.mul_(self.decay)
+        self._subtract_sent(compensated, indices, received)
         self._keep(key, compensated)
 
     def update_pieces(self, keys: "list[Hashable]", numels: "list[int]", compensated: torch.Tensor,
@@ -142,11 +138,17 @@ class ErrorFeedback:
             positions: (k,) int64, distinct, in ``compensated``'s flat space.
             received: (k,) what was received there (cast to ``compensated``'s dtype).
         """
-        scatter_add(compensated, positions, received.to(compensated.dtype), alpha=-1)
-        if self.decay != 1.0:
-            compensated.mul_(self.decay)
+        self._subtract_sent(compensated, positions, received)
         for key, piece in zip(keys, compensated.split(numels)):
             self._keep(key, piece)
+
+    def _subtract_sent(self, compensated: torch.Tensor, positions: torch.Tensor, received: torch.Tensor) -> None:
+        """``compensated[positions] -= received``, then the decay, in place (positions distinct)."""
+        # one fused scatter: the same bits as ``compensated[positions] -= received``, without its
+        # gather and separate subtraction
+        scatter_add(compensated, positions, received.to(compensated.dtype), alpha=-1)
+        if self.decay != 1.0:  # an extra pass only for a decaying memory
+            compensated.mul_(self.decay)
 
     def replace(self, key: Hashable, residual: torch.Tensor) -> None:
         """Keep ``residual`` (flat) for ``key``: an exchange that computed the new residual whole
