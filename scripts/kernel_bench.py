@@ -3,7 +3,8 @@
     python scripts/kernel_bench.py [--numel N] [--candidates F] [--repeats R]
 
 Prints ms per call (medians of R calls after one untimed): torch.add(a, b, out=c) (the floor),
-compensate_scan with and without the threshold test, with the zeroing of the gradient, and scan;
+compensate_scan with and without the threshold test, with the zeroing of the gradient, scan, and
+the dense path's divide_and_hash (by 3, a division; by 4, a multiplication) next to torch's div_;
 random normal float32 data, the threshold at the (1 - F) quantile of |grad + residual|
 (F = 0.015: top-k 1% and its sampled threshold's margin). Defaults: ResNet-18's 11,173,834 elements.
 """
@@ -51,6 +52,7 @@ def main() -> int:
     values = np.empty(positions.size, dtype=np.float32)
     a, b, c = torch.from_numpy(grad), torch.from_numpy(residual), torch.from_numpy(out)
     zeroed = grad.copy()
+    words, lanes = out.view(np.uint32), np.zeros(_native.BLOCK, dtype=np.uint64)
     rows = [
         ("torch.add(a, b, out=c) (floor)", lambda: torch.add(a, b, out=c)),
         ("compensate_scan", lambda: _native.compensate_scan(grad, residual, out, limit, positions, values,
@@ -60,6 +62,11 @@ def main() -> int:
         ("compensate_scan, zeroing the gradient", lambda: _native.compensate_scan(
             zeroed, residual, out, limit, positions, values, True, True)),  # zeros after the first call: no hits
         ("scan", lambda: _native.scan(out, limit, positions, values)),
+        ("torch div_ (in place)", lambda: c.div_(1.0)),
+        ("divide_and_hash, by 3 (a division)", lambda: _native.divide_and_hash(
+            out, words, np.float32(3.0), np.float32(1 / 3), lanes, False)),
+        ("divide_and_hash, by 4 (a multiplication)", lambda: _native.divide_and_hash(
+            out, words, np.float32(4.0), np.float32(0.25), lanes, True)),
     ]
     found = _native.compensate_scan(grad, residual, out, limit, positions, values, False, True)[0]
     print(f"{args.numel:,} float32, {found:,} at or above the threshold, 1 thread, medians of {args.repeats}")

@@ -282,18 +282,26 @@ def test_rice_native_encoding_writes_the_numpy_paths_bytes(monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("numel", [0, 1, 63, 64, 65, 5000, 70_001])
+@pytest.mark.parametrize("numel", [0, 1, 63, 64, 65, 255, 256, 257, 320, 5000, 70_001])
+@pytest.mark.parametrize("divisor", [3.0, 4.0])  # a division, and a power of two (multiplied by 1/4)
 def test_divide_and_hash_native_and_numpy_twin_agree(monkeypatch: pytest.MonkeyPatch, dtype: type,
-                                                     numel: int) -> None:
-    values = (np.random.default_rng(numel).standard_normal(numel) * 100).astype(dtype)
+                                                     numel: int, divisor: float) -> None:
+    # the native kernel hashes four blocks per round (256 elements), then single blocks, then the
+    # short tail: sizes on each side of those edges
+    rng = np.random.default_rng(numel)
+    values = (rng.standard_normal(numel) * 100).astype(dtype)
+    # near the smallest normal number, where a quotient rounds to a subnormal one: a product by
+    # 1/4 must round there exactly as the division does
+    tiny = np.finfo(dtype).tiny
+    values[::7] = (rng.standard_normal(values[::7].size) * 3 * tiny).astype(dtype)
     native_values, twin_values = values.copy(), values.copy()
-    finite, lanes = kernels.divide_and_hash(native_values, 3.0)
+    finite, lanes = kernels.divide_and_hash(native_values, divisor)
     monkeypatch.setattr(kernels, "_kernels", lambda: None)
-    twin_finite, twin_lanes = kernels.divide_and_hash(twin_values, 3.0)
+    twin_finite, twin_lanes = kernels.divide_and_hash(twin_values, divisor)
     assert finite and twin_finite
     assert np.array_equal(native_values, twin_values)
     assert np.array_equal(lanes, twin_lanes)
-    quotients = torch.from_numpy(values.copy()).div_(3.0).numpy()  # the bits torch's div_ gives
+    quotients = torch.from_numpy(values.copy()).div_(divisor).numpy()  # the bits torch's div_ gives
     assert np.array_equal(native_values.view(np.uint8), quotients.view(np.uint8))
 
 

@@ -16,6 +16,8 @@ that finds the cache pays about 1 s for numba's start-up and the load at its fir
 
 from __future__ import annotations
 
+import math
+
 import os
 from types import ModuleType
 from typing import Any, NamedTuple, Optional
@@ -226,8 +228,8 @@ def divide_and_hash(values: np.ndarray, divisor: float) -> tuple[bool, np.ndarra
 
     Args:
         values: (n,) C-contiguous float32/float64, modified in place.
-        divisor: what to divide by (a division, not a reciprocal's product: the same bits as
-            ``torch.div_``).
+        divisor: what to divide by: the same bits as ``torch.div_`` (a power of two is
+            multiplied by its reciprocal, which rounds exactly as the division).
 
     Returns:
         ``(finite, lanes)``, lanes a (64,) uint64 array.
@@ -235,7 +237,9 @@ def divide_and_hash(values: np.ndarray, divisor: float) -> tuple[bool, np.ndarra
     words = values.view(_WORDS[values.dtype.itemsize])
     lanes = np.zeros(_LANES, dtype=np.uint64)
     if usable(values):
-        finite = _require().divide_and_hash(values, words, values.dtype.type(divisor), lanes)
+        multiply = math.frexp(divisor)[0] == 0.5  # 2**e: x * 2**-e is exact wherever x / 2**e is
+        scalar = values.dtype.type
+        finite = _require().divide_and_hash(values, words, scalar(divisor), scalar(1.0 / divisor), lanes, multiply)
         return bool(finite), lanes
     np.divide(values, values.dtype.type(divisor), out=values)
     finite = bool(np.isfinite(values).all())
