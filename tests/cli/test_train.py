@@ -263,6 +263,11 @@ BAD_OPTIONS = [
     (["--weight-decay", "-1"], "--weight-decay=-1.0 must be >= 0"),
     (["--model", "gpt", "--data", "pystdlib:colour=1"], "'colour=1' is not an option; allowed: max_bytes=N"),
     (["--model", "gpt", "--data", "digits"], "data='digits' is not available for gpt"),
+    (["--method", "topk:density=0.1,warmup_steps=5,momentum=0.9"], "momentum= is 1-bit Adam's exchange for FSDP2"),
+    (["--fsdp", "--model", "gpt", "--optimizer", "adamw", "--method", "topk:density=0.1,momentum=0.9"],
+     "momentum= needs warmup_steps >= 1"),
+    (["--fsdp", "--model", "gpt", "--method", "topk:density=0.1,warmup_steps=5,momentum=0.9"],
+     "it needs --fsdp and --optimizer adamw"),
 ]
 
 

@@ -181,14 +181,18 @@ def check_method(spec_text: str, fsdp: bool = False) -> None:
             gather = options.pop("all_gather", None)
             if gather is not None and not fsdp:
                 raise ValueError("gather= quantizes FSDP2's parameter all-gathers; it needs --fsdp")
+            momentum = options.pop("momentum", None)
+            if momentum is not None and not fsdp:
+                raise ValueError("momentum= is 1-bit Adam's exchange for FSDP2's reduce-scatter; it needs --fsdp")
             gradwire.CommHookState(**options)  # no model, no process group: checks only
             if fsdp:
                 from ..errors import check_choice
                 from ..fsdp.all_gather import ALL_GATHER_BITS
-                from ..fsdp.state import check_config
+                from ..fsdp.state import check_config, check_momentum
 
                 check_choice("gather", gather, (None, *ALL_GATHER_BITS))
                 check_config(gradwire.ExchangeConfig(**options))
+                check_momentum(momentum, gradwire.ExchangeConfig(**options))
         if spec.communication.name == "torch-powersgd":
             for key, low in (("rank", 1), ("start_iter", 2)):  # PowerSGDState wants start_iter > 1
                 if spec.communication.options.get(key, low) < low:

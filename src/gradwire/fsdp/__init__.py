@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CompressedReduceScatter", "FSDPCompressionState", "compress"]
+__all__ = ["CompressedReduceScatter", "FSDPCompressionState", "MomentumAdamW", "compress"]
 
 
 def __getattr__(name: str) -> Any:  # the layout helpers stay importable without FSDP and the core
+    if name == "MomentumAdamW":
+        from .momentum import MomentumAdamW
+
+        return MomentumAdamW
     if name in __all__:
         from . import state
 

@@ -52,6 +52,7 @@ from ..errors import check_choice
 from ..exchange.collectives import check_same_on_all_ranks
 from . import layout
 from .all_gather import ALL_GATHER_BITS, AllGatherStats, CompletedWork, QuantizedAllGather
+from .momentum import MomentumBases
 
 logger = logging.getLogger("gradwire")
 
@@ -122,6 +123,7 @@ class FSDPCompressionState:
     Args:
         model: the model, after ``fully_shard`` (its FSDP modules and parameter names).
         config: an :class:`~gradwire.ExchangeConfig` (see :func:`compress` for the options).
+        momentum: ``b1`` of 1-bit Adam's exchange (:mod:`.momentum`), or None: gradients are sent.
 
     Raises:
         ValueError: no FSDP module with parameters; several parameter groups per module (per-parameter
@@ -129,11 +131,19 @@ class FSDPCompressionState:
             neither 1-D nor HSDP's 2-D; float64 gradients; an option the reduce-scatter cannot honour.
     """
 
-    def __init__(self, model: nn.Module, config: ExchangeConfig) -> None:
+    def __init__(self, model: nn.Module, config: ExchangeConfig, momentum: Optional[float] = None) -> None:
         check_config(config)
+        check_momentum(momentum, config)
         self.config = config
         self.model = model
         self.units, self.process_group = _units(model)
+        if momentum is not None and any(unit.replicas is not None for unit in self.units):
+            raise ValueError("momentum= is not supported with HSDP (a 2-D mesh): a rank's base would have to span "
+                             "both stages; use a 1-D mesh")
+        #: what each module sent on the last applied step, with ``compress(momentum=b1)`` (None: gradients sent)
+        self.momentum_bases: Optional[MomentumBases] = None if momentum is None else MomentumBases(momentum)
+        #: the last round's verdict on every rank: "apply", "skip" or "raise" (None: no round yet)
+        self.last_action: Optional[str] = None
         self.pipeline = Pipeline(config, self.process_group, spare_buffers=False)
         self.iteration = 0
         #: the typed error of the last round that failed (FSDP's autograd hooks may re-wrap it)
@@ -202,8 +212,14 @@ class FSDPCompressionState:
         """This rank's residuals (per parameter chunk ``"name#j"``, and per module ``"module#replicas"``
         with HSDP), the step counter and whose state it is (rank, world size, options); see
         :mod:`gradwire.core.checkpoint`. ``gather=True`` is a collective (rank 0 gets every rank's)."""
-        return self.pipeline.state_dict(names=self._names, specs=self._specs, iteration=self.iteration,
-                                        gather=gather)
+        if self.momentum_bases is not None and gather:
+            raise ValueError("state_dict(gather=True) does not carry momentum= bases yet: save each rank's "
+                             "state_dict() instead")
+        state = self.pipeline.state_dict(names=self._names, specs=self._specs, iteration=self.iteration,
+                                         gather=gather)
+        if self.momentum_bases is not None:
+            state["momentum_bases"] = self.momentum_bases.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], device: "torch.device | str | None" = None) -> None:
         """Restore :meth:`state_dict` output (this rank's own or the gathered form); tensors go to
@@ -211,7 +227,20 @@ class FSDPCompressionState:
         another world size, other options, or tensors that do not fit (nothing changes then)."""
         if device is None:
             device = next(self.model.parameters()).device
+        if (self.momentum_bases is None) != ("momentum_bases" not in state):
+            raise ValueError("this state was saved " + ("with" if "momentum_bases" in state else "without")
+                             + " compress(momentum=...) and is loaded " + ("without" if self.momentum_bases is None
+                                                                        else "with") + " it")
+        if self.momentum_bases is not None:
+            shard_sizes = {unit.name: _shard_size(unit) for unit in self.units}
+            check = MomentumBases(self.momentum_bases.beta)  # validated before anything changes
+            check.load_state_dict(state["momentum_bases"], {
+                unit.name: shard_sizes[unit.name] * layout.shard_numel(unit.shapes, shard_sizes[unit.name])
+                for unit in self.units})
+            state = {key: value for key, value in state.items() if key != "momentum_bases"}
         self.iteration = self.pipeline.load_state_dict(state, names=self._names, specs=self._specs, device=device)
+        if self.momentum_bases is not None:
+            self.momentum_bases = check
         self._called, self._last_round, self._pending, self.error = set(), [], [], None
 
     # ------------------------------------------------------------------------- the exchange
@@ -253,6 +282,8 @@ class FSDPCompressionState:
         index = self.units.index(unit)
         if index in self._called:  # a module reduced twice: the last step ended without some module
             self._close_step()
+        if self.momentum_bases is not None and self.iteration >= self.config.warmup_steps:
+            self.momentum_bases.blend(unit.name, input)  # 1-bit Adam's exchange: this rank's momentum goes out
         entries = [Entry((unit.keys[piece.parameter], piece.chunk),
                          unit.tensor_ids[piece.parameter] * shard_size + piece.chunk,
                          input[piece.offset: piece.offset + piece.numel], piece.offset)
@@ -280,6 +311,11 @@ class FSDPCompressionState:
             last.digest = share if last.digest is None else last.digest ^ share
         verdict = self.pipeline.agree(groups, self.iteration)
         self._last_round = [reduced.exchange for reduced in pending]  # their Works live until the next step
+        self.last_action = verdict.action
+        if self.momentum_bases is not None and verdict.action not in (RAISE, SKIP) \
+                and self.iteration >= self.config.warmup_steps:
+            for reduced in pending:  # only an applied step moves the bases, as it moves the residuals
+                self.momentum_bases.record(reduced.unit.name, reduced.group)
         self._end_step()
         if verdict.action == RAISE:
             assert verdict.error is not None
@@ -304,7 +340,7 @@ class FSDPCompressionState:
 
 
 def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_gather: Optional[str] = None,
-             **options: Any) -> FSDPCompressionState:
+             momentum: Optional[float] = None, **options: Any) -> FSDPCompressionState:
     """Install gradwire's compressed reduce-scatter on every ``FSDPModule`` in ``model``.
 
     Call it on every rank after ``fully_shard`` and before the first backward.
@@ -324,6 +360,11 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
             backward run on parameters within half a quantization step of the exact shards the
             optimizer keeps (exact during ``warmup_steps``, like the reduce-scatter); None
             (default): FSDP2's exact all-gather.
+        momentum: ``b1`` in (0, 1), e.g. 0.9: 1-bit Adam's exchange (:mod:`gradwire.fsdp.momentum`):
+            after ``warmup_steps`` (>= 1) exact steps, each rank sends its momentum
+            ``b1 s + (1 - b1) g`` (``s``: what it sent the step before) through the sparsifier
+            with error feedback, and the optimizer must be :class:`~gradwire.fsdp.MomentumAdamW`
+            built on this state. For AdamW with top-k: docs/fsdp.md. None (default): gradients.
 
     Returns:
         The :class:`FSDPCompressionState` (``stats()``, ``state_dict()``, ``load_state_dict()``,
@@ -339,7 +380,7 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
             options.setdefault("compressor", "none")
         config = ExchangeConfig(**options)
     check_choice("all_gather", all_gather, (None, *ALL_GATHER_BITS))
-    state = FSDPCompressionState(model, config)
+    state = FSDPCompressionState(model, config, momentum=momentum)
     for unit in state.units:
         for module in _modules_of(model, unit):
             module.set_custom_reduce_scatter(CompressedReduceScatter(state, unit))
@@ -376,6 +417,24 @@ def check_config(config: ExchangeConfig) -> None:
     if config.compressor != "none" and not config.index_codec.lossless:
         raise ValueError(f"the sparse reduce-scatter sums entries by position, so index_codec must be lossless; "
                          f"got {config.index_codec.name!r}")
+
+
+def check_momentum(momentum: Optional[float], config: ExchangeConfig) -> None:
+    """``ValueError`` for a ``momentum=`` the reduce-scatter cannot run (:mod:`.momentum`)."""
+    if momentum is None:
+        return
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum < 1.0:
+        raise ValueError(f"momentum={momentum!r}: must be None or a number in (0, 1), e.g. 0.9 (Adam's beta1)")
+    if config.compressor == "none" or config.quantize is not None:
+        raise ValueError("momentum= needs a sparsifier (compressor='topk', ...): a rank's base is the positions and "
+                         f"values it sent; got compressor={config.compressor!r}, quantize={config.quantize!r}")
+    if not config.error_feedback or config.momentum_correction is not None or config.feedback_decay != 1.0:
+        raise ValueError("momentum= needs plain error feedback (error_feedback=True, no momentum_correction, "
+                         "feedback_decay=1.0): the optimizer's step is linear in the momentum, so what is held "
+                         "back must arrive later whole")
+    if config.warmup_steps < 1:
+        raise ValueError(f"momentum= needs warmup_steps >= 1 (exact steps while Adam's second moment moves); got "
+                         f"warmup_steps={config.warmup_steps}")
 
 
 def _param_group(module: FSDPModule) -> Any:

@@ -36,6 +36,7 @@ HOOK_KEYS = {
     "ef": ("error_feedback", "bool"),
     "ef_decay": ("feedback_decay", float),
     "gather": ("all_gather", str),
+    "momentum": ("momentum", float),
     "momentum_correction": ("momentum_correction", float),
     "warmup_steps": ("warmup_steps", int),
     "residuals": ("residual_dtype", str),

@@ -130,6 +130,10 @@ class TrainConfig:
             if not self.fsdp and spec_parsed.communication.name not in TORCH_HOOKS \
                     and "all_gather" in spec_parsed.hook_options():
                 raise ValueError(f"method {spec!r}: gather= quantizes FSDP2's parameter all-gathers; it needs --fsdp")
+            if spec_parsed.communication.name not in TORCH_HOOKS and "momentum" in spec_parsed.hook_options() \
+                    and not (self.fsdp and self.optimizer == "adamw"):
+                raise ValueError(f"method {spec!r}: momentum= is 1-bit Adam's exchange for FSDP2 "
+                                 "(gradwire.fsdp.MomentumAdamW); it needs --fsdp and --optimizer adamw")
             if self.fsdp and self.checkpoint_dir:
                 raise ValueError("fsdp=True: --checkpoint-dir is not supported with FSDP2 yet (sharded model and "
                                  "optimizer state)")
@@ -356,6 +360,11 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     holder: dict[str, Any] = {"ddp": ddp, "state": state, "plain_fsdp_bytes": plain_fsdp_bytes}
 
     def optimizer_factory(parameters: Any) -> torch.optim.Optimizer:
+        if config.fsdp and getattr(state, "momentum_bases", None) is not None:  # momentum=: 1-bit Adam's exchange
+            from ..fsdp import MomentumAdamW
+
+            lr, weight_decay = optimizers.resolve(config.optimizer, config.lr, config.weight_decay)
+            return MomentumAdamW(parameters, state, lr=lr, weight_decay=weight_decay)
         return optimizers.build_optimizer(config.optimizer, parameters, lr=config.lr,
                                           weight_decay=config.weight_decay, momentum=config.momentum)
 
