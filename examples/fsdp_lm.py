@@ -3,6 +3,7 @@ model learns this file's own text.
 
     torchrun --nproc_per_node 2 examples/fsdp_lm.py                 # int8 blocks, error feedback
     torchrun --nproc_per_node 2 examples/fsdp_lm.py topk            # top-k 10%, fp16 values, Rice indices
+    torchrun --nproc_per_node 2 examples/fsdp_lm.py topk-momentum   # the same, sending 1-bit Adam's momentum
     torchrun --nproc_per_node 2 examples/fsdp_lm.py plain           # plain FSDP2, to compare
 """
 
@@ -15,8 +16,10 @@ import torch.distributed as dist
 
 import gradwire.fsdp
 
-OPTIONS = {"int8": {"quantize": "int8"},
-           "topk": {"compressor": "topk", "density": 0.1, "value_codec": "fp16", "index_codec": "rice"}}
+TOPK = {"compressor": "topk", "density": 0.1, "value_codec": "fp16", "index_codec": "rice"}
+OPTIONS = {"int8": {"quantize": "int8"}, "topk": TOPK,
+           # top-k under AdamW: after 10 exact steps each rank sends its momentum (docs/fsdp.md)
+           "topk-momentum": {**TOPK, "warmup_steps": 10, "momentum": 0.9}}
 
 
 def data(steps: int, batch: int = 8, length: int = 64):
@@ -39,7 +42,10 @@ def train(setting: str, steps: int = 40) -> tuple[list[float], dict]:
         fully_shard(layer)
     fully_shard(model)
     state = gradwire.fsdp.compress(model, **options) if options else None  # e.g. quantize="int8"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if options and "momentum" in options:  # 1-bit Adam's exchange needs its optimizer
+        optimizer = gradwire.fsdp.MomentumAdamW(model.parameters(), state, lr=3e-3)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for tokens in data(steps):
         optimizer.zero_grad()

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.frameworks, pytest.mark.distributed]
 
 @pytest.mark.timeout(400)
 def test_fsdp_example_learns_with_fewer_bytes_and_saves_each_ranks_state(tmp_path: Path) -> None:
-    for setting, most in (("int8", 0.27), ("topk", 0.1)):
+    for setting, most in (("int8", 0.27), ("topk", 0.1), ("topk-momentum", 0.4)):
         run = torchrun(ROOT / "examples" / "fsdp_lm.py", tmp_path / setting, setting, timeout=180)
         lines = [line for line in run.stdout.splitlines() if line.startswith("gradwire fsdp")]
         assert len(lines) == 1, run.stdout

@@ -117,6 +117,11 @@ class MomentumAdamW(torch.optim.Optimizer):
         lr, weight_decay, eps: as ``torch.optim.AdamW``.
         beta2: ``b2``, the second moment's decay during the warm-up.
 
+    A coordinate that had no gradient during the warm-up (an embedding row of a token not yet seen)
+    keeps ``v = 0``: a momentum there later moves it by ``lr m / eps``. 1-bit Adam's answer is a
+    warm-up long enough for every parameter to have had gradients (its authors use 15-25% of the
+    run; 100 of 1500 steps held here, docs/fsdp.md).
+
     Raises:
         ValueError: ``state`` was made without ``momentum=``, or its warm-up is 0 (``v`` would be
             frozen at zero); an invalid ``lr``, ``weight_decay``, ``eps`` or ``beta2``.
