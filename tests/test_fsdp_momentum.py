@@ -253,3 +253,20 @@ def test_the_optimizer_needs_the_momentum_state_and_one_step_per_round() -> None
     assert torch.equal(optimizer.state[parameter]["v"], v)  # frozen
     assert torch.equal(optimizer.state[parameter]["m"], torch.full((3,), 0.5))
 
+
+
+def test_a_coordinate_unseen_in_the_warm_up_moves_like_its_tensor_not_by_m_over_eps() -> None:
+    """v = 0 where the warm-up gave no gradient (an unseen token's embedding row): frozen as is,
+    the first momentum there would move it by lr m / eps = 1e5 here."""
+    parameter = torch.nn.Parameter(torch.zeros(4))
+    state = _State()  # warmup_steps=1
+    optimizer = MomentumAdamW([parameter], state, lr=0.01, weight_decay=0.0)
+    parameter.grad = torch.tensor([1.0, 2.0, 0.0, 0.0])  # coordinates 2 and 3 unseen
+    state.iteration, state.last_action = 1, "apply"
+    optimizer.step()
+    parameter.grad = torch.full((4,), 0.1)
+    state.iteration = 2
+    optimizer.step()
+    v = optimizer.state[parameter]["v"]
+    assert float(v[2]) == float(v[3]) == pytest.approx(float(v[:2].mean()))
+    assert float(parameter.detach().abs().max()) < 0.1, parameter

@@ -118,9 +118,10 @@ class MomentumAdamW(torch.optim.Optimizer):
         beta2: ``b2``, the second moment's decay during the warm-up.
 
     A coordinate that had no gradient during the warm-up (an embedding row of a token not yet seen)
-    keeps ``v = 0``: a momentum there later moves it by ``lr m / eps``. 1-bit Adam's answer is a
-    warm-up long enough for every parameter to have had gradients (its authors use 15-25% of the
-    run; 100 of 1500 steps held here, docs/fsdp.md).
+    would keep ``v = 0``, and a momentum there would later move it by ``lr m / eps``. So when ``v``
+    freezes, such coordinates take the mean ``v`` of the other coordinates of their tensor (of this
+    rank's shard of it): they then move like a typical coordinate of the tensor. Coordinates that had
+    gradients keep their own ``v`` (1-bit Adam's rule, unchanged).
 
     Raises:
         ValueError: ``state`` was made without ``momentum=``, or its warm-up is 0 (``v`` would be
@@ -187,7 +188,19 @@ class MomentumAdamW(torch.optim.Optimizer):
                     m.lerp_(p.grad, 1.0 - beta1)
                     v.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
                 else:
+                    if t == frozen_at + 1:
+                        _fill_unseen(v)
                     m.copy_(p.grad)  # the exchanged momentum
                 denominator = (v / (1.0 - beta2 ** min(t, frozen_at))).sqrt_().add_(group["eps"])
                 p.addcdiv_(m, denominator, value=-group["lr"] / (1.0 - beta1 ** t))
         return loss
+
+
+def _fill_unseen(v: torch.Tensor) -> None:
+    """Where ``v`` is 0 (no gradient through the warm-up), the mean of its positive entries, in
+    place; over this rank's shard for a sharded (DTensor) parameter, so no collective runs."""
+    local = v.to_local() if hasattr(v, "to_local") else v
+    seen = local > 0
+    count = int(seen.sum())
+    if 0 < count < local.numel():
+        local.masked_fill_(~seen, float(local.sum()) / count)
