@@ -385,11 +385,13 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
         for module in _modules_of(model, unit):
             module.set_custom_reduce_scatter(CompressedReduceScatter(state, unit))
             module.set_reduce_scatter_unused_params(True, recurse=False)
+    if all_gather is not None or momentum is not None:
+        # a rank gathering int8 codes while a peer gathers float32 would mismatch its collectives, and
+        # a rank sending momenta while a peer sends gradients would sum the two: every rank compares
+        # the options now, before the first forward
+        check_same_on_all_ranks(f"{config.describe()};all_gather={all_gather};momentum={momentum}",
+                                state.process_group, timeout=config.collective_timeout)
     if all_gather is not None:
-        # a rank gathering int8 codes while a peer gathers float32 would mismatch its collectives:
-        # every rank compares the options now, before the first forward
-        check_same_on_all_ranks(f"{config.describe()};all_gather={all_gather}", state.process_group,
-                                timeout=config.collective_timeout)
         state.all_gather_stats = AllGatherStats()
         for unit in state.units:
             shard_size = _shard_size(unit)
