@@ -32,8 +32,11 @@ def main(folder: str = "accelerate-run", steps: int = 6, resume: "str | None" = 
     accelerator.save_state(folder)  # writes gradwire_hook_rank{r}.pt on every rank
     # [/readme]
     if state is None:  # accelerate built no DDP wrapper (the warning above says why): each process trained alone
+        # one write with its newline: both processes print to one pipe, and under PYTHONUNBUFFERED a
+        # print's text and its newline are two writes another process's line can fall between
         print(f"gradwire: no DistributedDataParallel, so this process trained {steps} steps uncompressed "
-              "(on CPU: ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 examples/accelerate_loop.py)", flush=True)
+              "(on CPU: ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 examples/accelerate_loop.py)\n",
+              end="", flush=True)
     elif accelerator.is_main_process:
         stats = state.stats()
         print(f"gradwire: {stats['step']} steps, {stats['total_bytes_sent']:.0f} bytes sent "
