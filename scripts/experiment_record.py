@@ -1,11 +1,15 @@
-"""Shared by the simulator experiments (``fsdp_frozen_variance.py``, ``fsdp_shared_support.py``):
-run a ``gradwire`` command line with the experiment's patches in place, then say in its JSON record
-which variant really ran, so a record never passes for the plain simulator's."""
+"""Shared by the simulator experiments (``fsdp_frozen_variance.py``, ``fsdp_shared_support.py``,
+``fsdp_momentum_exchange.py``, ...): run a ``gradwire`` command line with the experiment's patches in
+place, then say in its JSON record which variant really ran, so a record never passes for the plain
+simulator's; and swap the simulator's AdamW for an experiment's optimizer."""
 
 from __future__ import annotations
 
 import json
 
+from typing import Any, Callable, Iterable, Optional
+
+import gradwire.harness.optimizers as optimizers
 from gradwire.cli.main import main as gradwire_main
 
 
@@ -29,3 +33,25 @@ def run_and_mark(command: list[str], key: str, variant: dict) -> int:
         with open(path, "w") as file:
             json.dump(record, file, indent=1)
     return status
+
+
+def install_adamw_variant(script: str, make: Callable[[Iterable[Any], float, float], Any]) -> list:
+    """Make the simulator build ``make(parameters, lr, weight_decay)`` wherever it would build AdamW
+    (with its defaults resolved as for AdamW); any other ``--optimizer`` exits naming ``script``.
+
+    Returns:
+        The list every optimizer built is appended to, in order (the replicas' are identical).
+    """
+    built: list = []
+
+    def build_optimizer(name: str, parameters: Iterable[Any], *, lr: Optional[float] = None,
+                        weight_decay: Optional[float] = None, momentum: float = 0.9) -> Any:
+        if name != "adamw":
+            raise SystemExit(f"{script}: --optimizer={name!r}; this experiment is about 'adamw'")
+        lr, weight_decay = optimizers.resolve(name, lr, weight_decay)
+        optimizer = make(parameters, lr, weight_decay)
+        built.append(optimizer)
+        return optimizer
+
+    optimizers.build_optimizer = build_optimizer  # type: ignore[assignment]
+    return built

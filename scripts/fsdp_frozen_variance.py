@@ -36,9 +36,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-import gradwire.harness.optimizers as optimizers
 import gradwire.harness.simulate as simulator
-from experiment_record import run_and_mark
+from experiment_record import install_adamw_variant, run_and_mark
 
 
 class FrozenVarianceAdamW(torch.optim.Optimizer):
@@ -97,17 +96,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[:split])
     if args.freeze_after < 1:
         parser.error(f"--freeze-after={args.freeze_after} must be >= 1")
-    built: list[FrozenVarianceAdamW] = []
-
-    def build_optimizer(name: str, parameters: Iterable[torch.nn.Parameter], *, lr: Optional[float] = None,
-                        weight_decay: Optional[float] = None, momentum: float = 0.9) -> torch.optim.Optimizer:
-        if name != "adamw":
-            raise SystemExit(f"fsdp_frozen_variance: --optimizer={name!r}; this experiment is about 'adamw'")
-        lr, weight_decay = optimizers.resolve(name, lr, weight_decay)
-        optimizer = FrozenVarianceAdamW(parameters, lr=lr, weight_decay=weight_decay,
-                                        freeze_after=args.freeze_after, precondition=args.precondition)
-        built.append(optimizer)
-        return optimizer
+    built: list[FrozenVarianceAdamW] = install_adamw_variant(
+        "fsdp_frozen_variance", lambda parameters, lr, weight_decay: FrozenVarianceAdamW(
+            parameters, lr=lr, weight_decay=weight_decay, freeze_after=args.freeze_after,
+            precondition=args.precondition))
 
     plain_simulate = simulator.simulate
 
@@ -125,7 +117,6 @@ def main(argv: list[str]) -> int:
         keywords["reduce"] = scaled_reduce
         return plain_simulate(*positional, **keywords)
 
-    optimizers.build_optimizer = build_optimizer  # type: ignore[assignment]
     simulator.simulate = simulate  # type: ignore[assignment]
     return run_and_mark(argv[split + 1:], "optimizer_variant",
                         {"script": "scripts/fsdp_frozen_variance.py", "freeze_after": args.freeze_after,

@@ -173,27 +173,41 @@ class MomentumAdamW(torch.optim.Optimizer):
         self.steps_taken += 1
         if self.compression.last_action == "skip":  # the round gave zeros on every rank: no step, m and v kept
             return loss
-        t, frozen_at = self.steps_taken, self.freeze_after
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                m, v = state["m"], state["v"]
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-                if t <= frozen_at:
-                    m.lerp_(p.grad, 1.0 - beta1)
-                    v.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
-                else:
-                    if t == frozen_at + 1:
-                        _fill_unseen(v)
-                    m.copy_(p.grad)  # the exchanged momentum
-                denominator = (v / (1.0 - beta2 ** min(t, frozen_at))).sqrt_().add_(group["eps"])
-                p.addcdiv_(m, denominator, value=-group["lr"] / (1.0 - beta1 ** t))
+                if p.grad is not None:
+                    one_bit_adam_step(p, p.grad, self.state[p], t=self.steps_taken, frozen_at=self.freeze_after,
+                                      lr=group["lr"], weight_decay=group["weight_decay"], betas=group["betas"],
+                                      eps=group["eps"])
         return loss
+
+
+@torch.no_grad()
+def one_bit_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, t: int, frozen_at: int, lr: float,
+                      weight_decay: float, betas: tuple[float, float], eps: float) -> None:
+    """One parameter's step ``t`` (1-based) of :class:`MomentumAdamW`, in place.
+
+    Args:
+        p: the parameter (any shape; a DTensor shard under FSDP).
+        grad: like ``p``: the gradient for ``t <= frozen_at``, then the exchanged momentum.
+        state: the parameter's optimizer state; ``"m"`` and ``"v"`` (like ``p``) are created zero.
+        t: this step's number; ``frozen_at``: N, the last step that moves ``v``.
+        lr, weight_decay, betas, eps: as ``torch.optim.AdamW``.
+    """
+    beta1, beta2 = betas
+    if not state:
+        state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+    m, v = state["m"], state["v"]
+    p.mul_(1.0 - lr * weight_decay)
+    if t <= frozen_at:
+        m.lerp_(grad, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    else:
+        if t == frozen_at + 1:
+            _fill_unseen(v)
+        m.copy_(grad)  # the exchanged momentum
+    denominator = (v / (1.0 - beta2 ** min(t, frozen_at))).sqrt_().add_(eps)
+    p.addcdiv_(m, denominator, value=-lr / (1.0 - beta1 ** t))
 
 
 def _fill_unseen(v: torch.Tensor) -> None:
