@@ -50,8 +50,10 @@ class MomentumBases:
         base = self.bases.get(name)
         if base is not None:
             positions, values = base
-            gradient.index_add_(0, positions.to(gradient.device), values.to(gradient.device, gradient.dtype),
-                                alpha=self.beta)
+            if positions.device != gradient.device:  # loaded from a checkpoint: moved once, then kept there
+                positions, values = positions.to(gradient.device), values.to(gradient.device)
+                self.bases[name] = (positions, values)
+            gradient.index_add_(0, positions, values.to(gradient.dtype), alpha=self.beta)
 
     def record(self, name: str, group: Group) -> None:
         """Keep what this rank sent in ``group`` (its error-feedback updates: the positions each entry
@@ -64,18 +66,20 @@ class MomentumBases:
             positions.append(indices.reshape(-1).to(torch.int64) + offsets[key])
             values.append(sent.reshape(-1).float())
         for keys, numels, _, flat_positions, sent in group.feedback_flat_updates:
-            starts = torch.tensor([0, *numels], dtype=torch.int64).cumsum(0)
-            piece = torch.searchsorted(starts[1:], flat_positions.to(torch.int64), right=True)
-            entry_offsets = torch.tensor([offsets[key] for key in keys], dtype=torch.int64)
-            positions.append(flat_positions.to(torch.int64) - starts[piece] + entry_offsets[piece])
+            flat_positions = flat_positions.to(torch.int64)
+            device = flat_positions.device
+            starts = torch.tensor([0, *numels], dtype=torch.int64, device=device).cumsum(0)
+            piece = torch.searchsorted(starts[1:], flat_positions, right=True)
+            entry_offsets = torch.tensor([offsets[key] for key in keys], dtype=torch.int64, device=device)
+            positions.append(flat_positions - starts[piece] + entry_offsets[piece])
             values.append(sent.reshape(-1).float())
-        if positions:
-            self.bases[name] = (torch.cat(positions).cpu(), torch.cat(values).cpu())
+        if positions:  # kept on the gradients' device: no copy to the host on the step's path
+            self.bases[name] = (torch.cat(positions), torch.cat(values))
         else:
             self.bases.pop(name, None)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {name: {"positions": positions.clone(), "values": values.clone()}
+        return {name: {"positions": positions.detach().cpu().clone(), "values": values.detach().cpu().clone()}
                 for name, (positions, values) in self.bases.items()}
 
     def load_state_dict(self, state: Any, numels: dict[str, int]) -> None:
