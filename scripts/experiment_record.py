@@ -6,7 +6,6 @@ simulator's; and swap the simulator's AdamW for an experiment's optimizer."""
 from __future__ import annotations
 
 import json
-
 from typing import Any, Callable, Iterable, Optional
 
 import gradwire.harness.optimizers as optimizers

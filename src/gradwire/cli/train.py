@@ -191,8 +191,9 @@ def check_method(spec_text: str, fsdp: bool = False) -> None:
                 from ..fsdp.state import check_config, check_momentum
 
                 check_choice("gather", gather, (None, *ALL_GATHER_BITS))
-                check_config(gradwire.ExchangeConfig(**options))
-                check_momentum(momentum, gradwire.ExchangeConfig(**options))
+                config = gradwire.ExchangeConfig(**options)
+                check_config(config)
+                check_momentum(momentum, config)
         if spec.communication.name == "torch-powersgd":
             for key, low in (("rank", 1), ("start_iter", 2)):  # PowerSGDState wants start_iter > 1
                 if spec.communication.options.get(key, low) < low:
