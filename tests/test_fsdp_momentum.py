@@ -2,7 +2,8 @@
 
 On real gloo ranks: with a lossless exchange it is exactly 1-bit Adam over plain FSDP2's mean
 gradient (a reference written out below); top-k trains and keeps every rank alike; a checkpoint
-restores the ranks' bases. In one process: the bases' bookkeeping and the refusals.
+restores the ranks' bases; NaN on one rank skips (or fails) the step on every rank with the bases
+and the optimizer untouched. In one process: the bases' bookkeeping and the refusals.
 """
 
 from __future__ import annotations
@@ -177,6 +178,82 @@ def test_a_checkpoint_restores_each_ranks_bases() -> None:
         assert result["resumed"] == result["continued"]  # the same 4 steps again, bit for bit
         assert "saved without compress(momentum=...)" in result["errors"]["without bases"], result["errors"]
         assert "positions outside" in result["errors"]["positions outside"], result["errors"]
+
+
+def _bases(state: Any) -> dict:
+    return {name: (positions.clone(), values.clone())
+            for name, (positions, values) in state.momentum_bases.bases.items()}
+
+
+def _same_bases(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a)
+
+
+def worker_nonfinite(rank: int, world_size: int, policy: str, bad_step: int) -> dict:
+    """NaN in rank 1's gradients at ``bad_step`` (after the warm-up, while momenta are sent): under
+    ``nonfinite=policy`` every rank must skip (or raise at) that step, with its bases and its
+    optimizer untouched, and every rank must hold the same parameters afterwards."""
+    import gradwire.fsdp
+
+    model = _shard(_model())
+    state = gradwire.fsdp.compress(model, compressor="topk", density=0.2, value_codec="fp16", index_codec="rice",
+                                   warmup_steps=2, momentum=BETA1, nonfinite=policy)
+    optimizer = MomentumAdamW(model.parameters(), state, lr=LR)
+    outcome: dict[str, Any] = {}
+    for step in range(bad_step + 3):
+        inputs, targets = _batch(rank, step)
+        if rank == 1 and step == bad_step:
+            inputs = inputs * float("nan")
+        optimizer.zero_grad()
+        bases, taken = _bases(state), optimizer.steps_taken
+        moments = [optimizer.state[p]["m"].clone() for p in model.parameters() if "m" in optimizer.state[p]]
+        skipped = state.stats()["skipped_steps"]
+        try:
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        except Exception:
+            try:
+                state.raise_if_failed()
+            except Exception as typed:
+                outcome["error"] = f"{type(typed).__name__}: {typed}"[:300]
+            outcome["step"] = step
+            outcome["bases_kept"] = _same_bases(bases, _bases(state))
+            break
+        shards = [p.to_local().detach().clone() for p in model.parameters()]
+        optimizer.step()
+        if state.stats()["skipped_steps"] > skipped:
+            outcome.setdefault("skipped_at", []).append(step)
+            outcome["bases_kept"] = _same_bases(bases, _bases(state))
+            # the round still counts (steps_taken follows the rounds), but nothing moved
+            outcome["optimizer_kept"] = optimizer.steps_taken == taken + 1 and all(
+                torch.equal(before, optimizer.state[p]["m"]) for before, p in zip(moments, model.parameters())
+            ) and all(torch.equal(before, p.to_local()) for before, p in zip(shards, model.parameters()))
+    full = _full(model.parameters())
+    return {**outcome, "parameters": _digest(full), "finite": all(bool(t.isfinite().all()) for t in full),
+            "steps_taken": optimizer.steps_taken, "based": len(state.momentum_bases.bases)}
+
+
+@pytest.mark.timeout(300)
+def test_a_nonfinite_momentum_step_is_skipped_on_every_rank_bases_and_optimizer_untouched() -> None:
+    bad_step = 4  # two warm-up steps, then momenta: the bases are not empty by then
+    results = run_workers(worker_nonfinite, 3, "skip", bad_step, timeout=240)
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result)
+        assert result["skipped_at"] == [bad_step], (rank, result)
+        assert result["bases_kept"] and result["optimizer_kept"], (rank, result)
+        assert result["steps_taken"] == bad_step + 3 and result["finite"], (rank, result)  # training went on
+        assert result["based"] == 3, result  # each Linear sends momenta again after the skipped step
+    assert len({r["parameters"] for r in results}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_nonfinite_momentum_step_raises_on_every_rank_bases_untouched() -> None:
+    bad_step = 4
+    results = run_workers(worker_nonfinite, 3, "raise", bad_step, timeout=240)
+    for rank, result in enumerate(results):
+        assert result.get("step") == bad_step, (rank, result)
+        assert "NonFiniteGradientError" in result.get("error", ""), (rank, result)
+        assert result["bases_kept"] and result["steps_taken"] == bad_step, (rank, result)
+    assert len({r["parameters"] for r in results}) == 1
 
 
 # ------------------------------------------------------------------------------------ one process
