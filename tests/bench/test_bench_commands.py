@@ -7,6 +7,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from gradwire.cli.main import main
 
@@ -136,3 +137,30 @@ def test_an_unwritable_json_path_is_refused_before_measuring(command: str, tmp_p
     assert time.perf_counter() - started < 5  # no measuring ran first
     message = capsys.readouterr().err.strip().splitlines()
     assert len(message) == 1 and "--json=" in message[0] and "cannot be written" in message[0], message
+
+
+def test_bench_hook_takes_distinct_gradients_in_turn(tmp_path, capsys) -> None:
+    """Each step copies the next of ``--batches`` real gradients (one repeated would give the
+    sparse AllReduce's threshold search last step's threshold for free); every entry is selected
+    once per step."""
+    from gradwire.bench import hook
+
+    sets = hook._gradients("mlp", 3)
+    assert len(sets) == 3 and all(len(s) == len(sets[0]) for s in sets)
+    assert not torch.equal(sets[0][0], sets[1][0]) and not torch.equal(sets[1][0], sets[2][0])
+    out = tmp_path / "hook.json"
+    code = main(["bench", "hook", "--models", "mlp", "--methods",
+                 "topk:density=0.01,values=fp16,indices=rice,collective=sparse-allreduce",
+                 "--repeats", "3", "--warmup", "1", "--batches", "3", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["batches"] == 3
+    (row,) = report["rows"]
+    assert row["count_selections_per_step"] == len(sets[0])  # one selection per entry (one bucket's worth)
+    assert row["hook_ms"] > 0 and row["floor_ms"] > 0
+    assert "3 distinct gradient(s) in turn" in capsys.readouterr().out
+
+
+def test_bench_hook_refuses_no_batches(capsys) -> None:
+    assert main(["bench", "hook", "--batches", "0"]) == 2
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "--batches=0 >= 1" in message[0], message

@@ -1,8 +1,10 @@
 """``gradwire bench hook``: the hook's CPU per step, by phase, against a one-pass memory floor.
 
 One process, one thread (``--threads``), a process group of one rank, so what is timed is the
-hook's own work and nothing on the wire. For each model (its real parameter shapes; the gradient
-is one real backward pass of a synthetic batch, reused every step) and each method (a method
+hook's own work and nothing on the wire. For each model (its real parameter shapes; the gradients
+are real backward passes of ``--batches`` different synthetic batches, taken in turn step after
+step: one gradient repeated would hand the sparse AllReduce's threshold search the very
+threshold of the step before) and each method (a method
 spec, as ``gradwire train`` takes it), the model's gradients are cut into DDP-like buckets
 (reverse order, 25 MiB) and every step runs the core exactly as the DDP hook does: each bucket's
 ``Pipeline.start``, then the round's ``Pipeline.finish``. Reported per step (medians of
@@ -67,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per method (median reported; default 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (frame sizes, buffers; default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--batches", type=int, default=4,
+                        help="distinct gradients (backward passes of different synthetic batches), taken in turn "
+                             "step after step (default 4)")
     parser.add_argument("--json", metavar="PATH", help="also write every row as JSON")
 
 
@@ -80,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         methods = list(args.methods or DEFAULT_METHODS)
         options = {method: _options(method) for method in methods}
-        if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
-            raise ValueError(f"--repeats={args.repeats} must be >= 1, --warmup={args.warmup} >= 0 and "
-                             f"--threads={args.threads} >= 1")
+        if args.repeats < 1 or args.warmup < 0 or args.threads < 1 or args.batches < 1:
+            raise ValueError(f"--repeats={args.repeats} must be >= 1, --warmup={args.warmup} >= 0, "
+                             f"--threads={args.threads} >= 1 and --batches={args.batches} >= 1")
         from ..harness.models import MODELS
 
         for model in models:
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with _one_rank_group():
         for model in models:
-            gradients = _gradients(model)
+            gradients = _gradients(model, args.batches)
             rows.extend(measure(model, gradients, options, repeats=args.repeats, warmup=args.warmup))
     print(format_table(("model", "method", "numel", "floor ms", *(f"{p} ms" for p in TIMED_PHASES),
                         "decode/peer ms", "hook ms", "passes"),
@@ -103,17 +108,24 @@ def run(args: argparse.Namespace) -> int:
                          *(f"{r[p + '_ms']:.2f}" for p in TIMED_PHASES), f"{r['decode_peer_ms']:.2f}",
                          f"{r['hook_ms']:.2f}", f"{r['passes']:.1f}x") for r in rows]))
     print(f"\nfloor: one torch.add(a, b, out=c) over the numel, {args.threads} thread(s), same rounds; "
-          "hook = the step's hook calls + one peer's decode (a 2-rank step)")
+          f"hook = the step's hook calls + one peer's decode (a 2-rank step); {args.batches} distinct gradient(s) "
+          "in turn")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"threads": args.threads, "repeats": args.repeats, "rows": rows}, handle, indent=2)
+            json.dump({"threads": args.threads, "repeats": args.repeats, "batches": args.batches, "rows": rows},
+                      handle, indent=2)
     return 0
 
 
-def measure(model: str, gradients: list[torch.Tensor], options: dict[str, dict[str, Any]], *, repeats: int,
+def measure(model: str, gradients: list[list[torch.Tensor]], options: dict[str, dict[str, Any]], *, repeats: int,
             warmup: int) -> list[dict[str, Any]]:
-    """Per method, the medians of ``repeats`` steps (see the module docstring) as table rows."""
-    numel = sum(g.numel() for g in gradients)
+    """Per method, the medians of ``repeats`` steps (see the module docstring) as table rows.
+
+    Args:
+        gradients: one or more sets of the model's gradients (one tensor per parameter, the same
+            shapes in every set); step i of every method takes set ``i % len(gradients)``.
+    """
+    numel = sum(g.numel() for g in gradients[0])
     a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
     runs = {method: _Run(ExchangeConfig(**opts), gradients) for method, opts in options.items()}
     for _ in range(warmup):
@@ -144,29 +156,31 @@ def measure(model: str, gradients: list[torch.Tensor], options: dict[str, dict[s
 class _Run:
     """One method on one model's gradients: the core, its buckets, and the per-step samples."""
 
-    def __init__(self, config: ExchangeConfig, gradients: list[torch.Tensor]) -> None:
+    def __init__(self, config: ExchangeConfig, gradient_sets: list[list[torch.Tensor]]) -> None:
         self.pipeline = Pipeline(config)
-        self.gradients = gradients
+        self.gradient_sets = gradient_sets
+        shapes = gradient_sets[0]
         self.buckets: list[list[int]] = []
         size = BUCKET_BYTES
-        for index in reversed(range(len(gradients))):
+        for index in reversed(range(len(shapes))):
             if size >= BUCKET_BYTES:
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(index)
-            size += gradients[index].numel() * gradients[index].element_size()
-        self.buffers = [torch.zeros(sum(gradients[i].numel() for i in bucket)) for bucket in self.buckets]
+            size += shapes[index].numel() * shapes[index].element_size()
+        self.buffers = [torch.zeros(sum(shapes[i].numel() for i in bucket)) for bucket in self.buckets]
         self.samples: dict[str, list[float]] = {key: [] for key in (*TIMED_PHASES, "decode_peer", "hook")}
         self.step_index = 0
         self.selections = 0.0
 
     def step(self) -> dict[str, float]:
+        gradients = self.gradient_sets[self.step_index % len(self.gradient_sets)]
         groups = []
         for bucket, buffer in zip(self.buckets, self.buffers):
             group, offset = Group(BufferTarget([buffer]), divisor=1.0), 0
             for index in bucket:
-                view = buffer[offset: offset + self.gradients[index].numel()]
-                view.copy_(self.gradients[index].reshape(-1))  # what backward would have written
+                view = buffer[offset: offset + gradients[index].numel()]
+                view.copy_(gradients[index].reshape(-1))  # what backward would have written
                 group.entries.append(Entry(index, index, view, offset))
                 offset += view.numel()
             groups.append(group)
@@ -226,16 +240,22 @@ def _options(method: str) -> dict[str, Any]:
     return options
 
 
-def _gradients(model_name: str) -> list[torch.Tensor]:
-    """One real backward pass of ``model_name`` on a synthetic batch: its gradients (float32)."""
+def _gradients(model_name: str, batches: int = 1) -> list[list[torch.Tensor]]:
+    """``batches`` real backward passes of ``model_name``, each on its own synthetic batch: per
+    batch, the gradients (float32, one per parameter; zeros where a parameter got none)."""
     from ..harness.models import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name)
-    output = model(model.example_input(4))
-    output = output[0] if isinstance(output, tuple) else output
-    (output.float() ** 2).mean().backward()
-    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    sets = []
+    for _ in range(batches):
+        model.zero_grad(set_to_none=True)
+        output = model(model.example_input(4))  # a fresh random batch each time
+        output = output[0] if isinstance(output, tuple) else output
+        (output.float() ** 2).mean().backward()
+        sets.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                     for p in model.parameters()])
+    return sets
 
 
 class _one_rank_group:
