@@ -105,6 +105,35 @@ def test_the_simulated_reduce_scatter_is_the_mean_when_lossless_and_telescopes_o
             assert torch.allclose(together, owed, atol=1e-5), options
 
 
+def test_the_simulated_momentum_exchange_averages_to_the_global_momentum_when_lossless() -> None:
+    """Each worker sends ``(1 - b1) g_w + b1 s_w`` (``s_w``: what it sent the step before); lossless,
+    the mean of the ``s_w`` is the step before's output, so the output is the momentum of the mean
+    gradient, from zeros after the warm-up: ``(1 - b1) mean(g)``, then ``b1 out + (1 - b1) mean(g)``."""
+    from gradwire.harness.sharding import ShardedReduce
+    from gradwire.harness.simulate import exact_mean
+
+    model = _gpt_like()
+    generator = torch.Generator().manual_seed(2)
+    reduce = ShardedReduce(model, 3, compressor="topk", density=1.0, warmup_steps=1, momentum=0.5)
+    steps = [[[torch.randn(p.shape, generator=generator) for p in model.parameters()] for _ in range(3)]
+             for _ in range(4)]
+    previous = None
+    for step, grads in enumerate(steps):
+        out, mean = reduce(grads), exact_mean(grads)
+        if step == 0:  # the warm-up: the exact mean gradient
+            expected = mean
+        elif step == 1:
+            expected = [0.5 * m for m in mean]
+        else:
+            expected = [0.5 * o + 0.5 * m for o, m in zip(previous, mean)]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out, expected)), step
+        previous = out
+    for options in ({"quantize": "int8"}, {"compressor": "topk", "density": 0.1, "error_feedback": False},
+                    {"compressor": "topk", "density": 0.1, "feedback_decay": 0.9}):
+        with pytest.raises(ValueError, match="momentum=0.9 needs a sparsifier with plain error feedback"):
+            ShardedReduce(model, 3, momentum=0.9, **options)
+
+
 def test_the_simulated_reduce_scatter_counts_the_dense_steps_bytes_too() -> None:
     """Plain FSDP2's steps and a warm-up's cost (p-1)/p of the padded float32 gradient per worker:
     a run's bytes per step are then the whole run's, not only its compressed steps'."""

@@ -132,3 +132,35 @@ def test_an_fsdp_record_holds_its_bytes_against_plain_fsdp2_over_the_whole_run(t
     assert record["plain_bytes_per_step"] >= 4 * 509_248 / 2  # (p-1)/p of the padded float32 gradient
     assert 0.62 < record["bytes_vs_plain"] < 0.64, record
     assert "x plain FSDP2's reduce-scatter" in capsys.readouterr().out
+
+
+def test_the_fsdp_momentum_exchange_is_simulated_with_its_optimizer(tmp_path, capsys, monkeypatch) -> None:
+    """``--fsdp SPEC,warmup_steps=N,momentum=b1`` runs MomentumAdamW's steps (OneBitAdamW: v frozen
+    after N) on the reduce of each worker's momentum; a wrong optimizer or spec is one line."""
+    from gradwire.cli.main import main
+    from gradwire.harness import optimizers
+
+    built: list = []
+    real = optimizers.OneBitAdamW
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(optimizers, "OneBitAdamW", recording)
+    spec = "topk:density=0.1,values=fp16,indices=rice,warmup_steps=1,momentum=0.9"
+    assert main(["simulate", "--workers", "2", "--steps", "3", "--batch-size", "4", "--data", DATA,
+                 "--eval-every", "3", "--fsdp", spec, "--json", str(tmp_path / "sim.json")]) == 0
+    assert len(built) == 2 and all(o.freeze_after == 1 and o.steps_taken == 3 for o in built)
+    record = json.loads((tmp_path / "sim.json").read_text())
+    assert record["fsdp"]["spec"] == spec and 0.2 < record["fsdp"]["bytes_vs_plain"] < 0.6, record["fsdp"]
+    capsys.readouterr()
+    for arguments, message in (
+            (["--optimizer", "sgd", "--fsdp", spec], "momentum= is 1-bit Adam's exchange; it needs --optimizer adamw"),
+            (["--fsdp", "topk:density=0.1,momentum=0.9"], "momentum= needs warmup_steps >= 1"),
+            (["--fsdp", "topk:density=0.1,ef=false,warmup_steps=1,momentum=0.9"],
+             "momentum= needs plain error feedback"),
+            (["--fsdp", "quantize:bits=8,warmup_steps=1,momentum=0.9"], "quantize has no option 'momentum'")):
+        assert main(["simulate", "--data", DATA, *arguments]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp", default=None, metavar="SPEC",
                         help="reduce as gradwire.fsdp's compressed reduce-scatter per FSDP unit does, with W "
                              "simulated ranks: 'plain' (FSDP2's fp32 mean), 'quantize:bits=8|4[,block=N,ef=B,"
-                             "residuals=bf16]' or a sparsifier spec, e.g. 'topk:density=0.1,values=fp16,indices=rice'")
+                             "residuals=bf16]' or a sparsifier spec, e.g. 'topk:density=0.1,values=fp16,indices=rice' "
+                             "(with warmup_steps=N,momentum=0.9: 1-bit Adam's exchange and MomentumAdamW's steps)")
     parser.add_argument("--per-tensor-scales", action="store_true", dest="per_tensor_scales",
                         help="with --fsdp quantize: one scale per parameter chunk instead of per block (comparison)")
 
@@ -78,9 +79,12 @@ def _check(args: argparse.Namespace) -> None:
                          "reduction of a sharded run; --method a DDP-like or local-steps one)")
     if args.fsdp is not None:
         try:
-            _fsdp_options(args.fsdp)
+            momentum = _fsdp_options(args.fsdp).get("momentum")
         except ValueError as error:
             raise UsageError(f"--fsdp: {error}") from None
+        if momentum is not None and args.optimizer != "adamw":
+            raise UsageError(f"--fsdp {args.fsdp}: momentum= is 1-bit Adam's exchange; it needs --optimizer adamw "
+                             f"(got {args.optimizer!r})")
     problem = json_path_error(args.json)
     if problem is not None:
         raise UsageError(problem)
@@ -101,9 +105,15 @@ def _fsdp_options(text: str) -> dict:
     if options.get("codec_options"):
         raise ValueError("codec options are not simulated")
     unknown = set(options) - {"compressor", "density", "value_codec", "index_codec", "error_feedback", "quantize",
-                              "quantize_block", "seed", "warmup_steps", "feedback_decay", "all_gather"}
+                              "quantize_block", "seed", "warmup_steps", "feedback_decay", "all_gather", "momentum"}
     if unknown:
         raise ValueError(f"options {sorted(unknown)} are not simulated")
+    if options.get("momentum") is not None:  # refused as gradwire.fsdp.compress refuses it
+        from ..core.config import ExchangeConfig
+        from ..fsdp.state import check_momentum
+
+        check_momentum(options["momentum"], ExchangeConfig(**{k: v for k, v in options.items()
+                                                            if k not in ("momentum", "all_gather")}))
     if "quantize_block" in options:
         options["block_size"] = options.pop("quantize_block")
     return {**options, "residual_dtype": {"float32": torch.float32, "bf16": torch.bfloat16,
@@ -145,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
             plugs["reduce"] = reduce
             if reduce.all_gather_bits is not None:  # forward and backward on the gathered (quantized) weights
                 plugs["forward_weights"] = reduce.gathered_weights
+            if reduce.momentum is not None:  # MomentumAdamW's steps on the exchanged momentum
+                from ..harness.optimizers import OneBitAdamW
+
+                plugs["make_optimizer"] = lambda params, lr, weight_decay: OneBitAdamW(
+                    params, lr=lr, weight_decay=weight_decay, freeze_after=reduce.warmup_steps)
             counter = lambda: reduce.bytes_sent / args.workers  # noqa: E731 (summed over workers)
         result = simulate(args.workers, args.steps, model=args.model, data=args.data, batch_size=args.batch_size,
                           optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,

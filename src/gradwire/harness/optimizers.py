@@ -8,6 +8,8 @@
 
 Both update every element independently, so W replicas that each step their own optimizer on the
 same averaged gradient stay bit-identical (what :mod:`~gradwire.harness.simulate` relies on).
+:class:`OneBitAdamW` is ``gradwire.fsdp.MomentumAdamW``'s arithmetic for a simulated replica (the
+simulator's twin of ``compress(momentum=...)``, with :class:`~.sharding.ShardedReduce`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..errors import check_choice
+from ..fsdp.momentum import one_bit_adam_step
 
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 2e-3}
@@ -57,3 +60,33 @@ def build_optimizer(name: str, parameters: Iterable[torch.nn.Parameter], *, lr: 
     if name == "sgd":
         return torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+
+
+class OneBitAdamW(torch.optim.Optimizer):
+    """``gradwire.fsdp.MomentumAdamW``'s steps for one simulated replica: AdamW for the first
+    ``freeze_after`` steps; after them Adam's ``v`` is frozen and the gradient it is handed is the
+    exchanged momentum, kept as ``m`` (:func:`gradwire.fsdp.momentum.one_bit_adam_step`, the same
+    function, so the same arithmetic, the ``v = 0`` fill included).
+
+    Args:
+        params: what it updates.
+        lr, weight_decay: as ``torch.optim.AdamW``; betas (0.9, 0.999), eps 1e-8.
+        freeze_after: N, the exchange's ``warmup_steps`` (>= 1).
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float, freeze_after: int,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
+            raise ValueError(f"freeze_after={freeze_after!r} must be an integer >= 1")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
+        self.freeze_after, self.steps_taken = freeze_after, 0
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        self.steps_taken += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    one_bit_adam_step(p, p.grad, self.state[p], t=self.steps_taken, frozen_at=self.freeze_after,
+                                      lr=group["lr"], weight_decay=group["weight_decay"], betas=group["betas"],
+                                      eps=group["eps"])

@@ -142,13 +142,27 @@ class ShardedReduce:
         all_gather: ``"int8"`` / ``"int4"``: the parameter all-gathers quantized too
             (:meth:`gathered_weights`, for ``simulate(forward_weights=...)``), as
             ``gradwire.fsdp.compress(all_gather=...)`` does; None: exact.
+        momentum: b1 of 1-bit Adam's exchange, as ``gradwire.fsdp.compress(momentum=b1)`` runs it
+            (:mod:`gradwire.fsdp.momentum`): after the warm-up each worker sends
+            ``(1 - b1) g_w + b1 s_w`` through the sparse rule, ``s_w`` being what it sent for the
+            unit the step before (its decoded values at its positions; zeros at first). Pair it with
+            :class:`~.optimizers.OneBitAdamW` (the gradient it is handed is then the averaged
+            momentum). Needs a sparsifier with plain error feedback.
+
+    Raises:
+        ValueError: ``momentum`` without a sparsifier, with ``quantize``, without error feedback or
+            with a decaying one.
     """
 
     def __init__(self, model: nn.Module, workers: int, *, quantize: Optional[str] = None,
                  block_size: Optional[int] = 128, compressor: str = "none", density: Optional[float] = None,
                  value_codec: str = "fp32", index_codec: str = "rice", error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, seed: int = 0, aligned: bool = True,
-                 warmup_steps: int = 0, feedback_decay: float = 1.0, all_gather: Optional[str] = None) -> None:
+                 warmup_steps: int = 0, feedback_decay: float = 1.0, all_gather: Optional[str] = None,
+                 momentum: Optional[float] = None) -> None:
+        if momentum is not None and (quantize is not None or compressor == "none" or not error_feedback
+                                     or feedback_decay != 1.0 or not 0.0 < momentum < 1.0):
+            raise ValueError(f"momentum={momentum!r} needs a sparsifier with plain error feedback (and 0 < b1 < 1)")
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         position = {n: i for i, n in enumerate(names)}
         shapes = dict(model.named_parameters())
@@ -172,6 +186,9 @@ class ShardedReduce:
         self.residual_dtype = residual_dtype
         #: residuals[w][unit]: worker w's residual over the unit's flat gradient
         self.residuals: list[dict[int, Tensor]] = [{} for _ in range(workers)]
+        self.momentum = momentum
+        #: bases[w][unit]: (positions, values) worker w sent for the unit on the last step (``momentum``)
+        self.bases: list[dict[int, tuple[Tensor, Tensor]]] = [{} for _ in range(workers)]
         self.step = 0
         self.bytes_sent = 0.0  # what every worker handed to the all-to-all for its peers, summed over workers
 
@@ -262,8 +279,15 @@ class ShardedReduce:
         pieces = layout.pieces(shapes, self.workers)
         total = torch.zeros_like(flats[0])
         for w, flat in enumerate(flats):
+            if self.momentum is not None:  # 1-bit Adam's exchange: this worker's momentum goes out
+                flat = flat * (1.0 - self.momentum)
+                base = self.bases[w].get(unit)
+                if base is not None:
+                    flat.index_add_(0, base[0], base[1], alpha=self.momentum)
             x = self._compensated(w, unit, flat)
             residual = x.clone()
+            sent_positions: list[Tensor] = []
+            sent_values: list[Tensor] = []
             for piece in pieces:
                 part = x[piece.offset: piece.offset + piece.numel]
                 indices = self.sparsifier.select(part, step=self.step,
@@ -275,6 +299,12 @@ class ShardedReduce:
                 positions = indices + piece.offset
                 total[positions] += sent
                 residual[positions] -= sent
+                sent_positions.append(positions)
+                sent_values.append(sent.float())
             self._keep(w, unit, residual)
+            if self.momentum is not None:  # the next step's base: what this worker sent (nothing: no base)
+                self.bases[w].pop(unit, None)
+                if sent_positions:
+                    self.bases[w][unit] = (torch.cat(sent_positions), torch.cat(sent_values))
         return total
 

@@ -132,7 +132,9 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
              eval_batch_size: int = 256, log: Optional[Callable[[str], None]] = None,
              eval_model: Optional[EvalModel] = None,
              on_start: Optional[Callable[[Sequence[nn.Module]], None]] = None,
-             forward_weights: Optional[Callable[[Sequence[Tensor]], Sequence[Tensor]]] = None) -> Simulation:
+             forward_weights: Optional[Callable[[Sequence[Tensor]], Sequence[Tensor]]] = None,
+             make_optimizer: Optional[Callable[[list[Tensor], float, float], torch.optim.Optimizer]] = None
+             ) -> Simulation:
     """Train ``workers`` simulated data-parallel workers for ``steps`` steps; evaluate on the way.
 
     Args:
@@ -157,6 +159,8 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
         on_start: called with the replicas before the first step (e.g. to take their initial weights).
         forward_weights: a worker's parameters -> the values its forward and backward use (e.g.
             FSDP's quantized all-gather); the optimizer still steps on the exact parameters.
+        make_optimizer: ``(parameters, lr, weight_decay) -> optimizer`` in place of ``optimizer``'s
+            (its lr and weight decay resolved as for it), e.g. :class:`~.optimizers.OneBitAdamW`.
 
     Returns:
         A :class:`Simulation`.
@@ -175,8 +179,9 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
     # the same initial weights everywhere, as DDP's broadcast from rank 0 makes them
     replicas = [copy.deepcopy(workload.model) for _ in range(workers)]
     params = [[p for p in replica.parameters() if p.requires_grad] for replica in replicas]
-    optims = [optimizers.build_optimizer(optimizer, replica_params, lr=lr, weight_decay=weight_decay,
-                                         momentum=momentum) for replica_params in params]
+    optims = [make_optimizer(replica_params, lr, weight_decay) if make_optimizer is not None else
+              optimizers.build_optimizer(optimizer, replica_params, lr=lr, weight_decay=weight_decay, momentum=momentum)
+              for replica_params in params]
     shards = [_shard_batches(workload, workers, rank, batch_size, seed) for rank in range(workers)]
     result = Simulation(workers, steps, batch_size, model, sum(p.numel() for p in params[0]), optimizer, lr,
                         weight_decay, seed, dict(workload.info), workload.metric)
