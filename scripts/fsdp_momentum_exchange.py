@@ -51,31 +51,21 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import torch
 
 import gradwire.harness.simulate as simulator
 from experiment_record import install_adamw_variant, run_and_mark
 from gradwire.fsdp import layout
-from gradwire.fsdp.momentum import one_bit_adam_step
+from gradwire.harness.optimizers import OneBitAdamW
 from gradwire.harness.sharding import ShardedReduce
 
 
-class MomentumExchangeAdamW(torch.optim.Optimizer):
-    """AdamW until ``freeze_after``; then the gradient it is handed is the averaged momentum (module
-    docstring, step 3), kept as ``m``.
-
-    Args:
-        params: the parameters (one group).
-        lr, weight_decay, betas, eps: as ``torch.optim.AdamW``.
-        freeze_after: N, the last step of plain AdamW (>= 1).
-    """
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
-                 freeze_after: int, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
-        self.freeze_after, self.steps_taken = freeze_after, 0
+class MomentumExchangeAdamW(OneBitAdamW):
+    """The library's optimizer arithmetic (:class:`gradwire.harness.optimizers.OneBitAdamW`: AdamW
+    until ``freeze_after``, then the gradient it is handed is the averaged momentum, module
+    docstring step 3, kept as ``m``), with what the script's other rules read of the global ``m``."""
 
     def local_momenta(self, gradients: list[torch.Tensor], own: Optional[list[torch.Tensor]] = None
                       ) -> list[torch.Tensor]:
@@ -90,15 +80,6 @@ class MomentumExchangeAdamW(torch.optim.Optimizer):
     def momenta(self) -> list[torch.Tensor]:
         """Copies of the global ``m`` per parameter (a worker's own momenta start from them)."""
         return [self.state[p]["m"].clone() for p in self.param_groups[0]["params"]]
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> None:  # type: ignore[override]
-        self.steps_taken += 1
-        for group in self.param_groups:
-            for p in group["params"]:  # the library's arithmetic (steps 3 and the warm-up's AdamW)
-                one_bit_adam_step(p, p.grad, self.state[p], t=self.steps_taken, frozen_at=self.freeze_after,
-                                  lr=group["lr"], weight_decay=group["weight_decay"], betas=group["betas"],
-                                  eps=group["eps"])
 
 
 def main(argv: list[str]) -> int:

@@ -177,13 +177,19 @@ class MomentumAdamW(torch.optim.Optimizer):
         self.steps_taken += 1
         if self.compression.last_action == "skip":  # the round gave zeros on every rank: no step, m and v kept
             return loss
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    one_bit_adam_step(p, p.grad, self.state[p], t=self.steps_taken, frozen_at=self.freeze_after,
-                                      lr=group["lr"], weight_decay=group["weight_decay"], betas=group["betas"],
-                                      eps=group["eps"])
+        one_bit_adam_groups(self, t=self.steps_taken, frozen_at=self.freeze_after)
         return loss
+
+
+@torch.no_grad()
+def one_bit_adam_groups(optimizer: torch.optim.Optimizer, *, t: int, frozen_at: int) -> None:
+    """:func:`one_bit_adam_step` for every parameter with a gradient in ``optimizer``'s groups
+    (each group's ``lr``, ``weight_decay``, ``betas``, ``eps``), its state in ``optimizer.state``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                one_bit_adam_step(p, p.grad, optimizer.state[p], t=t, frozen_at=frozen_at, lr=group["lr"],
+                                  weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"])
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..errors import check_choice
-from ..fsdp.momentum import one_bit_adam_step
+from ..fsdp.momentum import one_bit_adam_groups
 
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 2e-3}
@@ -65,7 +65,7 @@ def build_optimizer(name: str, parameters: Iterable[torch.nn.Parameter], *, lr: 
 class OneBitAdamW(torch.optim.Optimizer):
     """``gradwire.fsdp.MomentumAdamW``'s steps for one simulated replica: AdamW for the first
     ``freeze_after`` steps; after them Adam's ``v`` is frozen and the gradient it is handed is the
-    exchanged momentum, kept as ``m`` (:func:`gradwire.fsdp.momentum.one_bit_adam_step`, the same
+    exchanged momentum, kept as ``m`` (:func:`gradwire.fsdp.momentum.one_bit_adam_groups`, the same
     function, so the same arithmetic, the ``v = 0`` fill included).
 
     Args:
@@ -84,9 +84,4 @@ class OneBitAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         self.steps_taken += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    one_bit_adam_step(p, p.grad, self.state[p], t=self.steps_taken, frozen_at=self.freeze_after,
-                                      lr=group["lr"], weight_decay=group["weight_decay"], betas=group["betas"],
-                                      eps=group["eps"])
+        one_bit_adam_groups(self, t=self.steps_taken, frozen_at=self.freeze_after)
