@@ -33,6 +33,7 @@ SIMS=(
     "streaming-f4|diloco:sync_every=16,$W,fragments=4,overlap=1"
     "streaming-f4-carry|diloco:sync_every=16,$W,fragments=4,overlap=1,merge=carry"
     "streaming-f4-carry-warm8e100|diloco:sync_every=16,$W,warmup_quantize=int8,warmup_exact=100,fragments=4,overlap=1,merge=carry"
+    "streaming-f4-tau4-carry|diloco:sync_every=16,$W,fragments=4,overlap=4,merge=carry"
     "streaming-f4-noov|diloco:sync_every=16,$W,fragments=4"
     "topk10-chunk64-fp16|diloco:sync_every=16,$W,unsent=residual+chunktopk:density=0.1,chunk=64,values=fp16,indices=rice,collective=allgather"
     "topk10-reset|diloco:sync_every=16,$W,unsent=residual+topk:density=0.1,$TOPK"
