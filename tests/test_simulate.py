@@ -131,7 +131,9 @@ def test_an_fsdp_record_holds_its_bytes_against_plain_fsdp2_over_the_whole_run(t
     record = json.loads((tmp_path / "sim.json").read_text())["fsdp"]
     assert record["plain_bytes_per_step"] >= 4 * 509_248 / 2  # (p-1)/p of the padded float32 gradient
     assert 0.62 < record["bytes_vs_plain"] < 0.64, record
-    assert "x plain FSDP2's reduce-scatter" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x plain FSDP2's reduce-scatter" in out
+    assert "--fsdp quantize:bits=8,warmup_steps=1: " in out and "allreduce:" not in out  # whose bytes they are
 
 
 def test_the_fsdp_momentum_exchange_is_simulated_with_its_optimizer(tmp_path, capsys, monkeypatch) -> None:

@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         sim = plugs["after_step"].__self__
         record.update(outer_steps=sim.outer_steps, bytes_outer=sim.bytes_outer, bytes_peak_sync=sim.bytes_peak_sync,
                       bytes_per_local_step=sim.bytes_outer / max(args.steps - sim.local.warmup_steps, 1))
-    print(f"{args.method}: {sent:,.0f} bytes per worker per step, {sent / ddp_bytes:.5f} x DDP's AllReduce"
+    label = f"--fsdp {args.fsdp}" if reduce is not None else args.method  # whose bytes these are
+    print(f"{label}: {sent:,.0f} bytes per worker per step, {sent / ddp_bytes:.5f} x DDP's AllReduce"
           + (f"; {record['bytes_per_local_step'] / ddp_bytes:.5f} x over the local steps"
              if "bytes_per_local_step" in record else ""))
     if reduce is not None:
