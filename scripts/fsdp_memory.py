@@ -12,8 +12,9 @@ two moments, and gradwire's residuals and transients), and gradwire's residual b
     torchrun --nproc-per-node 4 scripts/fsdp_memory.py --method quantize:bits=8 [--d-model 512 --layers 8]
 
 ``--method`` is ``plain`` (FSDP2's reduce-scatter) or a ``gradwire train`` method spec (e.g.
-``quantize:bits=4,residuals=bfloat16`` or ``topk:density=0.1,values=fp16,indices=rice``). Rank 0
-prints one JSON line.
+``quantize:bits=4,residuals=bfloat16`` or ``topk:density=0.1,values=fp16,indices=rice``; with
+``warmup_steps=N,momentum=0.9`` the optimizer is ``gradwire.fsdp.MomentumAdamW`` and the bases'
+bytes are reported too). Rank 0 prints one JSON line.
 """
 
 from __future__ import annotations
@@ -52,11 +53,15 @@ def main() -> None:
     parameters = sum(p.numel() for p in model.parameters())
     sharding.shard(model)
     state = None
+    optimizer: torch.optim.Optimizer
     if args.method != "plain":
         import gradwire.fsdp
 
         state = gradwire.fsdp.compress(model, **parse_method(args.method).hook_options())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if state is not None and state.momentum_bases is not None:  # 1-bit Adam's exchange
+        optimizer = gradwire.fsdp.MomentumAdamW(model.parameters(), state, lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(dist.get_rank())
     before = _rss_mb()
     started = time.perf_counter()
@@ -69,7 +74,11 @@ def main() -> None:
     seconds = (time.perf_counter() - started) / args.steps
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     residual = state.residual_bytes() / 2**20 if state is not None else 0.0
-    mine = torch.tensor([before, peak, peak - before, residual, seconds], dtype=torch.float64)
+    bases = 0.0
+    if state is not None and state.momentum_bases is not None:  # positions (int64) and values (float32)
+        bases = sum(p.numel() * p.element_size() + v.numel() * v.element_size()
+                    for p, v in state.momentum_bases.bases.values()) / 2**20
+    mine = torch.tensor([before, peak, peak - before, residual, seconds, bases], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine, async_op=True).wait()
     worst = torch.stack(rows).amax(dim=0).tolist()
@@ -78,7 +87,8 @@ def main() -> None:
                           "d_model": args.d_model, "layers": args.layers, "steps": args.steps,
                           "rss_before_mb": round(worst[0], 1), "peak_rss_mb": round(worst[1], 1),
                           "step_memory_mb": round(worst[2], 1), "residual_mb": round(worst[3], 1),
-                          "seconds_per_step": round(worst[4], 3)}), flush=True)
+                          "seconds_per_step": round(worst[4], 3), "momentum_bases_mb": round(worst[5], 1)}),
+              flush=True)
     dist.destroy_process_group()
     os._exit(0)  # PyTorch's exit abort after gloo collectives (pytorch PR #179291)
 

@@ -172,8 +172,12 @@ def test_the_simulated_all_gather_is_exact_during_the_warm_up_as_the_library_s()
 
 
 # ------------------------------------------------------------------- the core, without FSDP
-def worker_shard_group(rank: int, world_size: int, options: dict) -> dict:
-    """A hand-built shard group through the core's pipeline, checked against a float64 sum."""
+def worker_shard_group(rank: int, world_size: int, options: dict, release: bool = False) -> dict:
+    """A hand-built shard group through the core's pipeline, checked against a float64 sum.
+
+    ``release``: as the FSDP front-end does, complete the group, release its gradients, then
+    agree; the input is overwritten with NaN in between (FSDP frees and reuses that memory), so
+    anything after the release that still read it would show in the result or the residuals."""
     from gradwire.core.config import ExchangeConfig
     from gradwire.core.group import Entry, Group, ShardTarget
     from gradwire.core.pipeline import Pipeline
@@ -190,13 +194,21 @@ def worker_shard_group(rank: int, world_size: int, options: dict) -> dict:
         entries = [Entry((p.parameter, p.chunk), p.parameter * world_size + p.chunk, flat[p.offset: p.offset + p.numel],
                          p.offset) for p in layout.pieces(shapes, world_size)]
         group = Group(ShardTarget(flat, output, group=None), entries, divisor=1.0)
-        verdict = pipeline.finish([group], [pipeline.start(group, step)], step)
-        assert verdict.action == "apply", verdict
         exact = torch.zeros_like(flat, dtype=torch.float64)
         gathered = [torch.empty_like(flat) for _ in range(world_size)]
         dist.all_gather(gathered, flat, async_op=True).wait()
         for other in gathered:
             exact += other.double()
+        if release:
+            pipeline.complete([group], [pipeline.start(group, step)], step)
+            group.release_gradients()
+            assert all(e.grad.numel() == p.numel and e.grad.untyped_storage().data_ptr() != flat.data_ptr()
+                       for e, p in zip(entries, layout.pieces(shapes, world_size)))
+            flat.fill_(float("nan"))
+            verdict = pipeline.agree([group], step)
+        else:
+            verdict = pipeline.finish([group], [pipeline.start(group, step)], step)
+        assert verdict.action == "apply", verdict
         mine = exact.reshape(world_size, -1)[rank]
         out["errors"].append(float((output.double() - mine).norm() / mine.norm()))
         # error feedback: the sum of what every rank applied and still owes is what every rank had
@@ -221,8 +233,10 @@ def worker_shard_group(rank: int, world_size: int, options: dict) -> dict:
 @pytest.mark.parametrize("options", [{"compressor": "topk", "density": 1.0}, {"compressor": "none", "quantize": "int8"},
                                      {"compressor": "topk", "density": 0.3, "value_codec": "fp16"}],
                          ids=["lossless", "int8", "topk"])
-def test_a_hand_built_shard_group_reduce_scatters_and_its_error_feedback_telescopes(options: dict) -> None:
-    for result in run_workers(worker_shard_group, 3, options, timeout=150):
+@pytest.mark.parametrize("release", [False, True], ids=["finish", "released-before-agreeing"])
+def test_a_hand_built_shard_group_reduce_scatters_and_its_error_feedback_telescopes(options: dict,
+                                                                                     release: bool) -> None:
+    for result in run_workers(worker_shard_group, 3, options, release, timeout=150):
         if options.get("density") == 1.0:
             assert max(result["errors"]) < 1e-6, result
         elif "quantize" in options:

@@ -334,12 +334,29 @@ class Group:
         self.target.write(result)
         self.status = Status.WRITTEN
 
+    def release_gradients(self) -> None:
+        """Once its exchange completed (written or failed), nothing reads the group's gradients
+        again: what waits for an agreement is the compensated buffers, the selections and the
+        result. Drop this group's references to the caller's gradient storage (each entry's
+        ``grad`` view and a :class:`ShardTarget`'s ``input``), keeping ``numel``, dtype and device
+        through stand-ins of one element, so a front-end that holds many groups until one
+        agreement (FSDP2: every module of a step) does not keep every unsharded gradient alive."""
+        for entry in self.entries:
+            entry.grad = _stand_in(entry.grad)
+        if isinstance(self.target, ShardTarget):
+            self.target.input = _stand_in(self.target.input)
+
     def mark_nonfinite(self) -> None:
         self.status = Status.NONFINITE
 
     def mark_failed(self, error: BaseException) -> None:
         if self.status != Status.FAILED:
             self.status, self.error = Status.FAILED, error
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like flat ``tensor`` (same numel, dtype, device) backed by one element."""
+    return torch.zeros(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.numel())
 
 
 def flat_positions(indices: "list[torch.Tensor]", offsets: "list[int]") -> torch.Tensor:
