@@ -15,6 +15,13 @@ two moments, and gradwire's residuals and transients), and gradwire's residual b
 ``quantize:bits=4,residuals=bfloat16`` or ``topk:density=0.1,values=fp16,indices=rice``; with
 ``warmup_steps=N,momentum=0.9`` the optimizer is ``gradwire.fsdp.MomentumAdamW`` and the bases'
 bytes are reported too). Rank 0 prints one JSON line.
+
+``--mmap-threshold BYTES`` fixes glibc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``, as the
+``MALLOC_MMAP_THRESHOLD_`` environment variable does): every allocation of that size or more gets
+its own mapping and is returned to the system when freed. With glibc's default, the threshold
+rises to the size of the largest buffer freed so far, and later buffers of up to that size come
+from the heap, whose freed space the resident set keeps: the peak then measures the heap's
+high-water mark as much as what is live (docs/fsdp.md, "Peak memory per rank").
 """
 
 from __future__ import annotations
@@ -34,6 +41,15 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _fix_mmap_threshold(threshold: int) -> None:
+    """glibc's ``mallopt(M_MMAP_THRESHOLD, threshold)`` (which also stops its dynamic adjustment)."""
+    import ctypes
+
+    m_mmap_threshold = -3  # malloc.h
+    if ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, threshold) != 1:
+        raise SystemExit(f"--mmap-threshold {threshold}: glibc's mallopt refused it")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--method", default="plain")
@@ -41,7 +57,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--mmap-threshold", type=int, default=None,
+                        help="fix glibc's mmap threshold at this many bytes (default: glibc's dynamic one)")
     args = parser.parse_args()
+    if args.mmap_threshold is not None:
+        _fix_mmap_threshold(args.mmap_threshold)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from gradwire.harness import sharding
@@ -87,7 +107,8 @@ def main() -> None:
                           "d_model": args.d_model, "layers": args.layers, "steps": args.steps,
                           "rss_before_mb": round(worst[0], 1), "peak_rss_mb": round(worst[1], 1),
                           "step_memory_mb": round(worst[2], 1), "residual_mb": round(worst[3], 1),
-                          "seconds_per_step": round(worst[4], 3), "momentum_bases_mb": round(worst[5], 1)}),
+                          "seconds_per_step": round(worst[4], 3), "momentum_bases_mb": round(worst[5], 1),
+                          "mmap_threshold": args.mmap_threshold}),
               flush=True)
     dist.destroy_process_group()
     os._exit(0)  # PyTorch's exit abort after gloo collectives (pytorch PR #179291)

@@ -201,7 +201,7 @@ def worker_shard_group(rank: int, world_size: int, options: dict, release: bool 
             exact += other.double()
         if release:
             pipeline.complete([group], [pipeline.start(group, step)], step)
-            group.release_gradients()
+            group.release_exchange_inputs()
             assert all(e.grad.numel() == p.numel and e.grad.untyped_storage().data_ptr() != flat.data_ptr()
                        for e, p in zip(entries, layout.pieces(shapes, world_size)))
             flat.fill_(float("nan"))

@@ -40,6 +40,25 @@ def test_decayed_error_feedback_keeps_beta_times_what_was_not_sent() -> None:
         assert torch.equal(again, grad + torch.tensor(expected))
 
 
+def test_a_held_residual_is_a_copy_in_the_storage_dtype_and_replace_decays_it_in_float32() -> None:
+    """Residuals an exchange computes whole wait for the step's agreement in the dtype they will
+    be stored in (bfloat16: half the bytes), never aliasing the exchange's buffer; the decay is
+    applied in float32 at the agreement, not in bfloat16."""
+    from gradwire.core.feedback import ErrorFeedback
+
+    error = torch.tensor([1.0 + 2 ** -10, -3.0, 0.1])  # not representable in bfloat16
+    for storage, decay in ((None, 1.0), (torch.bfloat16, 1.0), (torch.bfloat16, 0.3)):
+        feedback = ErrorFeedback(storage_dtype=storage, decay=decay)
+        held = feedback.held_copy(error, torch.float32)
+        assert held.dtype == (storage or torch.float32) and held.data_ptr() != error.data_ptr()
+        error_before = error.clone()
+        feedback.replace("w", held)
+        assert torch.equal(error, error_before)
+        expected = (error.to(storage or torch.float32).float() * decay).to(storage or torch.float32)
+        assert torch.equal(feedback.residual("w"), expected), (storage, decay)
+        assert feedback.residual("w").dtype == (storage or torch.float32)
+
+
 def test_every_compared_option_reaches_the_description() -> None:
     """Changing any field not marked rank-local changes describe(), so the cross-rank check sees it."""
     base = HookConfig(compressor="topk", density=0.05)

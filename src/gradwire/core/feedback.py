@@ -150,10 +150,26 @@ class ErrorFeedback:
         if self.decay != 1.0:  # an extra pass only for a decaying memory
             compensated.mul_(self.decay)
 
+    def held_copy(self, residual: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
+        """A copy of a new residual in the dtype it will be stored in, to hold until the round's
+        agreement and then :meth:`replace` with: a round that waits for other groups (FSDP2: every
+        module of a step) holds bfloat16 residuals at half the bytes.
+
+        Args:
+            residual: flat (read only).
+            accumulate: the residuals' dtype when no ``storage_dtype`` is set (float32/float64).
+
+        Returns:
+            A new tensor of ``residual.numel()`` elements in ``storage_dtype`` (or ``accumulate``).
+        """
+        return residual.to(self.storage_dtype or accumulate, copy=True)
+
     def replace(self, key: Hashable, residual: torch.Tensor) -> None:
         """Keep ``residual`` (flat) for ``key``: an exchange that computed the new residual whole
         (the hierarchical one keeps each rank's shard of the node's sum)."""
-        self._keep(key, residual if self.decay == 1.0 else residual * self.decay)
+        if self.decay != 1.0:  # decayed in at least float32, then stored
+            residual = residual.to(torch.promote_types(residual.dtype, torch.float32)) * self.decay
+        self._keep(key, residual)
 
     def residual(self, key: Hashable) -> "torch.Tensor | None":
         """The residual kept for ``key`` (flat), or None; read-only by convention."""

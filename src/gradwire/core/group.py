@@ -334,15 +334,18 @@ class Group:
         self.target.write(result)
         self.status = Status.WRITTEN
 
-    def release_gradients(self) -> None:
-        """Once its exchange completed (written or failed), nothing reads the group's gradients
-        again: what waits for an agreement is the compensated buffers, the selections and the
-        result. Drop this group's references to the caller's gradient storage (each entry's
-        ``grad`` view and a :class:`ShardTarget`'s ``input``), keeping ``numel``, dtype and device
-        through stand-ins of one element, so a front-end that holds many groups until one
-        agreement (FSDP2: every module of a step) does not keep every unsharded gradient alive."""
+    def release_exchange_inputs(self) -> None:
+        """Once its exchange completed (written or failed), nothing reads what it sent from again:
+        what waits for an agreement is the error-feedback records (which hold the compensated
+        buffers), the status, the digest and the result. Drop this group's references to the
+        caller's gradient storage (each entry's ``grad`` view and a :class:`ShardTarget`'s
+        ``input``, kept as stand-ins of one element with the same ``numel``, dtype and device) and
+        to each entry's selected ``indices`` and ``values``, so a front-end that holds many groups
+        until one agreement (FSDP2: every module of a step) does not keep every unsharded gradient
+        and every selection alive."""
         for entry in self.entries:
             entry.grad = _stand_in(entry.grad)
+            entry.indices = entry.values = None
         if isinstance(self.target, ShardTarget):
             self.target.input = _stand_in(self.target.input)
 

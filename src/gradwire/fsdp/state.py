@@ -297,7 +297,7 @@ class FSDPCompressionState:
         # the round waits for the step's last module: let FSDP free this module's unsharded gradient
         # meanwhile (held by every module until the agreement it was ~180 MB of step memory more at
         # 25.5M parameters, 4 ranks: docs/fsdp.md, "Peak memory per rank")
-        round_group.release_gradients()
+        round_group.release_exchange_inputs()
         self._pending.append(_Reduced(unit, round_group, exchange, output))
         self._called.add(index)
         if len(self._called) == len(self.units):

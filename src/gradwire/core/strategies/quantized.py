@@ -68,7 +68,7 @@ class QuantizedAllReduce(ExchangeStrategy):
             if self.feedback is not None:
                 for entry in group.entries:
                     piece = result.residual[entry.offset: entry.offset + entry.numel]
-                    group.keep_residual(entry, piece.to(accumulation_dtype(entry.grad), copy=True))
+                    group.keep_residual(entry, self.feedback.held_copy(piece, accumulation_dtype(entry.grad)))
             out = group.output_buffer(group.dtype)
             out.copy_(result.values.to(out.dtype))
             out.div_(group.divisor)

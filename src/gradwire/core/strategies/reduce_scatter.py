@@ -53,7 +53,7 @@ from ...exchange.sparse_reduce_scatter import RegionStatus, sparse_reduce_scatte
 from ...lifetime import track
 from ...sparsify.base import Sparsifier
 from ..digest import balanced_share, chain_share, digest_of
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, accumulation_dtype
 from ..group import BufferTarget, Entry, Group, ShardTarget, Status, all_finite
 from ..selection import Selection
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
@@ -246,8 +246,9 @@ class QuantizedReduceScatter(ShardStrategy):
                 group.mark_nonfinite()
                 return None
             if self.feedback is not None:
-                for entry in group.entries:
-                    group.keep_residual(entry, result.error[entry.offset: entry.offset + entry.numel].clone())
+                for entry in group.entries:  # held in the storage dtype while the step's other modules run
+                    error = result.error[entry.offset: entry.offset + entry.numel]
+                    group.keep_residual(entry, self.feedback.held_copy(error, accumulation_dtype(entry.grad)))
             return result.shard
 
     def replica_strategy(self, context: ExchangeContext) -> ExchangeStrategy:
