@@ -55,6 +55,21 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, torch.tanh(inputs @ weights)
 
 
+def _backward(state: Any, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+              ) -> "tuple[bool, str | None]":
+    """The MSE loss's backward: whether it raised, and the state's typed error ("Type: message",
+    300 characters at most) when it kept one."""
+    try:
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    except Exception:
+        try:
+            state.raise_if_failed()
+        except Exception as typed:
+            return True, f"{type(typed).__name__}: {typed}"[:300]
+        return True, None
+    return False, None
+
+
 def _full(tensors: Any) -> list[torch.Tensor]:
     return [t.full_tensor().detach().float().clone() for t in tensors]
 
@@ -321,13 +336,10 @@ def worker_tampered(rank: int, world_size: int, mode: str, policy: str, bf16: bo
         optimizer.zero_grad()
         inputs, targets = _batch(rank, step)
         skipped = state.stats()["skipped_steps"]
-        try:
-            torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        except Exception:
-            try:
-                state.raise_if_failed()
-            except Exception as typed:
-                outcome = {"step": step, "error": f"{type(typed).__name__}: {typed}"[:300]}
+        raised, error = _backward(state, model, inputs, targets)
+        if raised:
+            if error is not None:
+                outcome = {"step": step, "error": error}
             outcome["residuals_unchanged"] = failed_round.get("unchanged", False)
             break
         if state.stats()["skipped_steps"] > skipped:  # a skipped step: no module's gradient survives

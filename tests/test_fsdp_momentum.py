@@ -18,7 +18,7 @@ from gradwire.core.group import BufferTarget, Entry, Group
 from gradwire.fsdp.momentum import MomentumAdamW, MomentumBases
 
 from .distributed import run_workers
-from .test_fsdp import LOSSLESS, _batch, _full, _digest, _shard
+from .test_fsdp import LOSSLESS, _backward, _batch, _digest, _full, _shard
 
 WARMUP, BETA1, BETA2, LR, DECAY, EPS = 3, 0.9, 0.999, 0.02, 0.01, 1e-8
 
@@ -208,13 +208,10 @@ def worker_nonfinite(rank: int, world_size: int, policy: str, bad_step: int) -> 
         bases, taken = _bases(state), optimizer.steps_taken
         moments = [optimizer.state[p]["m"].clone() for p in model.parameters() if "m" in optimizer.state[p]]
         skipped = state.stats()["skipped_steps"]
-        try:
-            torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        except Exception:
-            try:
-                state.raise_if_failed()
-            except Exception as typed:
-                outcome["error"] = f"{type(typed).__name__}: {typed}"[:300]
+        raised, error = _backward(state, model, inputs, targets)
+        if raised:
+            if error is not None:
+                outcome["error"] = error
             outcome["step"] = step
             outcome["bases_kept"] = _same_bases(bases, _bases(state))
             break
