@@ -95,9 +95,8 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
     residual = state.residual_bytes() / 2**20 if state is not None else 0.0
     bases = 0.0
-    if state is not None and state.momentum_bases is not None:  # positions (int64) and values (float32)
-        bases = sum(p.numel() * p.element_size() + v.numel() * v.element_size()
-                    for p, v in state.momentum_bases.bases.values()) / 2**20
+    if state is not None and state.momentum_bases is not None:
+        bases = state.momentum_bases.nbytes() / 2**20
     mine = torch.tensor([before, peak, peak - before, residual, seconds, bases], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine, async_op=True).wait()

@@ -343,11 +343,12 @@ class Group:
         to each entry's selected ``indices`` and ``values``, so a front-end that holds many groups
         until one agreement (FSDP2: every module of a step) does not keep every unsharded gradient
         and every selection alive."""
+        zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one element per kind, shared
         for entry in self.entries:
-            entry.grad = _stand_in(entry.grad)
+            entry.grad = _stand_in(entry.grad, zeros)
             entry.indices = entry.values = None
         if isinstance(self.target, ShardTarget):
-            self.target.input = _stand_in(self.target.input)
+            self.target.input = _stand_in(self.target.input, zeros)
 
     def mark_nonfinite(self) -> None:
         self.status = Status.NONFINITE
@@ -357,9 +358,13 @@ class Group:
             self.status, self.error = Status.FAILED, error
 
 
-def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor shaped like flat ``tensor`` (same numel, dtype, device) backed by one element."""
-    return torch.zeros(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.numel())
+def _stand_in(tensor: torch.Tensor, zeros: "dict[tuple[torch.dtype, torch.device], torch.Tensor]") -> torch.Tensor:
+    """A tensor shaped like flat ``tensor`` (same numel, dtype, device) backed by one element, taken
+    from (or added to) ``zeros``, so a group's stand-ins cost one allocation, not one per entry."""
+    kind = (tensor.dtype, tensor.device)
+    if kind not in zeros:
+        zeros[kind] = torch.zeros(1, dtype=tensor.dtype, device=tensor.device)
+    return zeros[kind].expand(tensor.numel())
 
 
 def flat_positions(indices: "list[torch.Tensor]", offsets: "list[int]") -> torch.Tensor:

@@ -43,6 +43,10 @@ class MomentumBases:
         #: per module name: (positions in the module's flat gradient, int64; the values sent, float32)
         self.bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def nbytes(self) -> int:
+        """Bytes the bases hold on this rank (positions and values of every module)."""
+        return sum(p.numel() * p.element_size() + v.numel() * v.element_size() for p, v in self.bases.values())
+
     def blend(self, name: str, gradient: torch.Tensor) -> None:
         """``gradient <- (1 - b1) gradient + b1 s_w``, in place (``gradient``: the module's flat
         unsharded gradient as FSDP hands it over, any float dtype)."""
