@@ -329,6 +329,43 @@ def test_the_optimizer_needs_the_momentum_state_and_one_step_per_round() -> None
 
 
 
+def test_a_warm_up_whose_every_round_was_skipped_raises_instead_of_stepping_by_m_over_eps() -> None:
+    parameter = torch.nn.Parameter(torch.ones(3))
+    state = _State()  # warmup_steps=1
+    optimizer = MomentumAdamW([parameter], state, lr=0.1)
+    parameter.grad = torch.full((3,), 2.0)
+    state.iteration, state.last_action = 1, "skip"
+    optimizer.step()
+    state.iteration, state.last_action = 2, "apply"
+    with pytest.raises(RuntimeError, match="every round of the warm-up .*was skipped"):
+        optimizer.step()
+    assert torch.equal(parameter.detach(), torch.ones(3))
+
+
+def test_the_bias_corrections_count_applied_steps_only() -> None:
+    """Rounds: 1 apply (warm-up, t = 1), 2 skip, 3 apply (frozen): t = 2, not 3, in m's correction."""
+    parameter = torch.nn.Parameter(torch.ones(3))
+    state = _State()  # warmup_steps=1
+    lr, beta1, beta2, eps = 0.1, 0.9, 0.999, 1e-8
+    optimizer = MomentumAdamW([parameter], state, lr=lr, weight_decay=0.0, eps=eps, beta2=beta2)
+    parameter.grad = torch.full((3,), 2.0)
+    state.iteration, state.last_action = 1, "apply"
+    optimizer.step()
+    v = (1 - beta2) * 4.0
+    after_warmup = 1.0 - lr * ((1 - beta1) * 2.0 / (1 - beta1)) / ((v / (1 - beta2)) ** 0.5 + eps)
+    assert parameter.detach() == pytest.approx(torch.full((3,), after_warmup), abs=1e-6)
+    state.iteration, state.last_action = 2, "skip"
+    optimizer.step()
+    state.iteration, state.last_action = 3, "apply"
+    parameter.grad = torch.full((3,), 0.5)  # the exchanged momentum
+    optimizer.step()
+    assert (optimizer.steps_taken, optimizer.steps_applied, optimizer.warmup_applied) == (3, 2, 1)
+    expected = after_warmup - lr * (0.5 / (1 - beta1 ** 2)) / ((v / (1 - beta2)) ** 0.5 + eps)
+    wrong = after_warmup - lr * (0.5 / (1 - beta1 ** 3)) / ((v / (1 - beta2)) ** 0.5 + eps)
+    assert abs(expected - wrong) > 1e-3  # the two counts are told apart
+    assert parameter.detach() == pytest.approx(torch.full((3,), expected), abs=1e-6)
+
+
 def test_a_coordinate_unseen_in_the_warm_up_moves_like_its_tensor_not_by_m_over_eps() -> None:
     """v = 0 where the warm-up gave no gradient (an unseen token's embedding row): frozen as is,
     the first momentum there would move it by lr m / eps = 1e5 here."""

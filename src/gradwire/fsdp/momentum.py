@@ -135,7 +135,8 @@ class MomentumAdamW(torch.optim.Optimizer):
         ValueError: ``state`` was made without ``momentum=``, or its warm-up is 0 (``v`` would be
             frozen at zero); an invalid ``lr``, ``weight_decay``, ``eps`` or ``beta2``.
         RuntimeError (from :meth:`step`): the optimizer's steps and the reduce-scatter's rounds
-            disagree (a step without a backward, or several backwards per step).
+            disagree (a step without a backward, or several backwards per step); or every round of
+            the warm-up was skipped, leaving ``v`` zero.
     """
 
     def __init__(self, params: Iterable[Any], state: Any, *, lr: float = 1e-3, weight_decay: float = 1e-2,
@@ -155,19 +156,37 @@ class MomentumAdamW(torch.optim.Optimizer):
         if not (isinstance(beta2, (int, float)) and 0.0 <= beta2 < 1.0):
             raise ValueError(f"MomentumAdamW: beta2={beta2!r} must be in [0, 1)")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, eps=eps, betas=(bases.beta, beta2),
-                                      steps_taken=0))
+                                      steps_taken=0, steps_applied=0, warmup_applied=0))
         self.compression = state
         self.freeze_after = warmup
 
     @property
     def steps_taken(self) -> int:
-        """Steps taken (kept in the parameter group, so ``state_dict()`` saves it)."""
+        """Steps taken, one per round of the reduce-scatter, skipped rounds included (kept in the
+        parameter group, so ``state_dict()`` saves it). The warm-up ends by this count, as the
+        exchange's does."""
         return int(self.param_groups[0]["steps_taken"])
 
     @steps_taken.setter
     def steps_taken(self, value: int) -> None:
         for group in self.param_groups:
             group["steps_taken"] = value
+
+    @property
+    def steps_applied(self) -> int:
+        """Steps that moved the parameters (skipped rounds excluded): Adam's ``t`` in the bias
+        corrections, as ``torch.optim.AdamW`` does not count a step a gradient scaler skips."""
+        return int(self.param_groups[0].get("steps_applied", self.steps_taken))
+
+    @property
+    def warmup_applied(self) -> int:
+        """Warm-up steps that moved ``v``: the count its bias correction is frozen at."""
+        return int(self.param_groups[0].get("warmup_applied", min(self.steps_taken, self.freeze_after)))
+
+    def _count_applied(self, warm: bool) -> None:
+        applied, warmup_applied = self.steps_applied + 1, self.warmup_applied + int(warm)
+        for group in self.param_groups:
+            group["steps_applied"], group["warmup_applied"] = applied, warmup_applied
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -181,31 +200,39 @@ class MomentumAdamW(torch.optim.Optimizer):
         self.steps_taken += 1
         if self.compression.last_action == "skip":  # the round gave zeros on every rank: no step, m and v kept
             return loss
-        one_bit_adam_groups(self, t=self.steps_taken, frozen_at=self.freeze_after)
+        warm = self.steps_taken <= self.freeze_after  # by rounds: the exchange sends momenta from round N + 1 on
+        if not warm and self.warmup_applied == 0:  # every rank skipped the same rounds, so every rank raises
+            raise RuntimeError(f"MomentumAdamW: every round of the warm-up ({self.freeze_after} steps) was skipped "
+                               "(non-finite gradients), so Adam's second moment is zero and cannot be frozen; "
+                               "restart from a checkpoint with a longer warm-up")
+        self._count_applied(warm)
+        one_bit_adam_groups(self, t=self.steps_applied, v_steps=self.warmup_applied, warm=warm)
         return loss
 
 
 @torch.no_grad()
-def one_bit_adam_groups(optimizer: torch.optim.Optimizer, *, t: int, frozen_at: int) -> None:
+def one_bit_adam_groups(optimizer: torch.optim.Optimizer, *, t: int, v_steps: int, warm: bool) -> None:
     """:func:`one_bit_adam_step` for every parameter with a gradient in ``optimizer``'s groups
     (each group's ``lr``, ``weight_decay``, ``betas``, ``eps``), its state in ``optimizer.state``."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None:
-                one_bit_adam_step(p, p.grad, optimizer.state[p], t=t, frozen_at=frozen_at, lr=group["lr"],
+                one_bit_adam_step(p, p.grad, optimizer.state[p], t=t, v_steps=v_steps, warm=warm, lr=group["lr"],
                                   weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"])
 
 
 @torch.no_grad()
-def one_bit_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, t: int, frozen_at: int, lr: float,
-                      weight_decay: float, betas: tuple[float, float], eps: float) -> None:
-    """One parameter's step ``t`` (1-based) of :class:`MomentumAdamW`, in place.
+def one_bit_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, t: int, v_steps: int, warm: bool,
+                      lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> None:
+    """One parameter's applied step ``t`` (1-based) of :class:`MomentumAdamW`, in place.
 
     Args:
         p: the parameter (any shape; a DTensor shard under FSDP).
-        grad: like ``p``: the gradient for ``t <= frozen_at``, then the exchanged momentum.
+        grad: like ``p``: the gradient while ``warm``, then the exchanged momentum.
         state: the parameter's optimizer state; ``"m"`` and ``"v"`` (like ``p``) are created zero.
-        t: this step's number; ``frozen_at``: N, the last step that moves ``v``.
+        t: this step's number among the applied ones (``m``'s bias correction).
+        v_steps: the warm-up steps that moved ``v``, this one included (``v``'s bias correction).
+        warm: a warm-up step (AdamW); otherwise ``v`` is frozen and ``grad`` is the momentum.
         lr, weight_decay, betas, eps: as ``torch.optim.AdamW``.
     """
     beta1, beta2 = betas
@@ -213,14 +240,14 @@ def one_bit_adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, t: in
         state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
     m, v = state["m"], state["v"]
     p.mul_(1.0 - lr * weight_decay)
-    if t <= frozen_at:
+    if warm:
         m.lerp_(grad, 1.0 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     else:
-        if t == frozen_at + 1:
+        if t == v_steps + 1:  # the first frozen step
             _fill_unseen(v)
         m.copy_(grad)  # the exchanged momentum
-    denominator = (v / (1.0 - beta2 ** min(t, frozen_at))).sqrt_().add_(eps)
+    denominator = (v / (1.0 - beta2 ** max(v_steps, 1))).sqrt_().add_(eps)
     p.addcdiv_(m, denominator, value=-lr / (1.0 - beta1 ** t))
 
 

@@ -83,5 +83,6 @@ class OneBitAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        self.steps_taken += 1
-        one_bit_adam_groups(self, t=self.steps_taken, frozen_at=self.freeze_after)
+        self.steps_taken += 1  # the simulator applies every step: none is skipped
+        one_bit_adam_groups(self, t=self.steps_taken, v_steps=min(self.steps_taken, self.freeze_after),
+                            warm=self.steps_taken <= self.freeze_after)
