@@ -96,6 +96,49 @@ def test_hierarchical_two_nodes_of_two() -> None:
     assert all(r["gap"] < 1e-6 for r in results), [r["gap"] for r in results]
 
 
+def worker_hierarchical_feedback(rank: int, world_size: int, residual_dtype: str) -> dict:
+    """The hierarchical exchange's error feedback through GradientExchange (2 nodes x 2 ranks): what
+    was applied + the mean residual == the mean gradient over steps, residuals held and stored in
+    ``residual_dtype``."""
+    import torch.distributed as dist
+
+    model = _model()
+    exchange = gradwire.GradientExchange(model, compressor="topk", density=0.1, collective="sparse-allreduce",
+                                         hierarchy=2, index_codec="rice", value_codec="fp32",
+                                         residual_dtype=residual_dtype, bucket_cap_mb=0.001)
+    applied = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    wanted = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    for step in range(4):
+        model.zero_grad()
+        inputs, targets = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        for parameter, total in zip(model.parameters(), wanted):
+            grad = parameter.grad.clone()
+            dist.all_reduce(grad)
+            total += grad.double() / world_size
+        exchange.synchronize()
+        for parameter, total in zip(model.parameters(), applied):
+            total += parameter.grad.double()
+    gap, dtypes = 0.0, set()
+    for parameter, got, want in zip(model.parameters(), applied, wanted):
+        residual = exchange.feedback.residual(id(parameter))
+        dtypes.add(str(residual.dtype))
+        residual = residual.reshape(parameter.shape).double()
+        dist.all_reduce(residual)
+        gap = max(gap, float((got + residual / world_size - want).abs().max()))
+    return {"gap": gap, "scale": max(float(w.abs().max()) for w in wanted), "dtypes": sorted(dtypes),
+            "buckets": exchange.stats()["count_hierarchical_buckets"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("residual_dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_hierarchical_feedback_telescopes_in_its_storage_dtype(residual_dtype: str, tolerance: float) -> None:
+    for result in run_workers(worker_hierarchical_feedback, 4, residual_dtype, timeout=200, pg_timeout=60):
+        assert result["buckets"] > 0, result
+        assert result["dtypes"] == [f"torch.{residual_dtype}"], result
+        assert result["gap"] < tolerance * result["scale"], result
+
+
 def worker_quantized(rank: int, world_size: int, bits: int) -> dict:
     """GradientExchange with the int8/int4 AllReduce: sum of what was applied + the mean residual ==
     the mean gradient, over steps (error feedback telescopes); then a NaN on rank 1 raises on all."""

@@ -276,7 +276,7 @@ class Pipeline:
                 "sparse-allreduce": SparseAllReduce(self._context),
             }
             if self.sparsifier is not None:
-                self._strategies["hierarchical"] = HierarchicalExchange(self._context, self.sparsifier)
+                self._strategies["hierarchical"] = HierarchicalExchange(self._context, self.sparsifier, self.feedback)
             if config.quantize is not None:
                 self._strategies["quantized"] = QuantizedAllReduce(self._context, self.feedback,
                                                                    bits=QUANTIZE_BITS[config.quantize],

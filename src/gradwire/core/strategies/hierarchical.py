@@ -10,6 +10,7 @@ import torch
 from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
 from ...sparsify.base import Sparsifier
+from ..feedback import ErrorFeedback, accumulation_dtype
 from ..group import Group
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 from .sparse_allreduce import RegionCodecAdapter, averaged_output
@@ -42,9 +43,10 @@ class HierarchicalExchange(ExchangeStrategy):
 
     name = "hierarchical"
 
-    def __init__(self, context: ExchangeContext, sparsifier: Sparsifier) -> None:
+    def __init__(self, context: ExchangeContext, sparsifier: Sparsifier,
+                 feedback: Optional[ErrorFeedback] = None) -> None:
         super().__init__(context)
-        self.sparsifier = sparsifier
+        self.sparsifier, self.feedback = sparsifier, feedback
         self.codec = RegionCodecAdapter(index_codec=context.index_codec, value_codec=context.value_codec)
         self._hierarchy: Optional[Hierarchy] = None
 
@@ -95,8 +97,9 @@ class HierarchicalExchange(ExchangeStrategy):
             out = averaged_output(group, result.indices, result.values, finite=result.finite)
             if out is None:
                 return
-            residual = result.residual(group.numel)
-            for entry in group.entries:
-                own = residual[entry.offset: entry.offset + entry.numel].to(entry.compensated.dtype).clone()
-                group.keep_residual(entry, own)
+            if self.feedback is not None:  # held in the residuals' storage dtype until the agreement
+                residual = result.residual(group.numel)
+                for entry in group.entries:
+                    piece = residual[entry.offset: entry.offset + entry.numel]
+                    group.keep_residual(entry, self.feedback.held_copy(piece, accumulation_dtype(entry.grad)))
             group.write(out)
