@@ -139,6 +139,40 @@ def test_hierarchical_feedback_telescopes_in_its_storage_dtype(residual_dtype: s
         assert result["gap"] < tolerance * result["scale"], result
 
 
+def worker_held_after_a_round(rank: int, world_size: int) -> dict:
+    """What a front-end keeps of a finished round: the collectives' Work (so no backend thread frees
+    their tensors), not the exchanges with their groups, results and feedback records."""
+    from torch.distributed import Work
+
+    held = {}
+    for collective in ("allgather", "sparse-allreduce"):  # asynchronous, then blocking
+        model = _model()
+        exchange = gradwire.GradientExchange(model, compressor="topk", density=0.1, collective=collective,
+                                             index_codec="rice", bucket_cap_mb=0.001)
+        inputs, targets = _batch(rank, 0)
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        exchange.synchronize()
+        held[f"tensors-{collective}"] = [type(item).__name__ for item in exchange._last_round
+                                         if not isinstance(item, Work)], len(exchange._last_round)
+    model = DDP(_model(), bucket_cap_mb=0.002)
+    state = gradwire.CommHookState(model=model, **STRATEGIES["allgather"])
+    model.register_comm_hook(state, gradwire.comm_hook)
+    inputs, targets = _batch(rank, 0)
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    held["ddp-allgather"] = [type(item).__name__ for item in state._last_step
+                             if not isinstance(item, Work)], len(state._last_step)
+    return {"held": held}
+
+
+def test_a_front_end_keeps_only_the_works_of_its_last_round() -> None:
+    for result in run_workers(worker_held_after_a_round, 2, timeout=120):
+        not_works, count = result["held"]["tensors-allgather"]
+        assert not_works == [] and count > 0, result  # one Work per asynchronous bucket
+        assert result["held"]["tensors-sparse-allreduce"] == ([], 0), result  # blocking: kept by lifetime
+        not_works, count = result["held"]["ddp-allgather"]
+        assert not_works == [] and count > 0, result
+
+
 def worker_quantized(rank: int, world_size: int, bits: int) -> dict:
     """GradientExchange with the int8/int4 AllReduce: sum of what was applied + the mean residual ==
     the mean gradient, over steps (error feedback telescopes); then a NaN on rank 1 raises on all."""

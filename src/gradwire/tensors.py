@@ -90,7 +90,7 @@ class GradientExchange:
                                                    else torch.float32) for n, p in named}
         self.buckets = _buckets(self.parameters, bucket_cap_mb * 2**20)
         self._buffers: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
-        #: the last round's exchanges, held (with their collectives' Work) until the next round
+        #: the last round's collectives' ``Work``, held until the next round (Exchange.works)
         self._last_round: list[Any] = []
 
     @property
@@ -135,7 +135,7 @@ class GradientExchange:
             in_flight.append(self.pipeline.start(group, self.iteration))
             self.pipeline.poll(in_flight)
         verdict = self.pipeline.finish(groups, in_flight, self.iteration)
-        self._last_round = in_flight
+        self._last_round = [work for exchange in in_flight for work in exchange.works()]
         self.iteration += 1
         self.pipeline.stats.end_step()
         if verdict.action == RAISE:

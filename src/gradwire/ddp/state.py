@@ -90,9 +90,9 @@ class CommHookState:
         #: the step's groups with the Futures DDP waits on for each
         self._step_groups: list[tuple[Group, list[torch.futures.Future]]] = []
         self._in_flight: list[Exchange] = []
-        #: the last step's exchanges, held (with their collectives' Work) until the next step's
-        #: first bucket, so no backend thread frees their tensors (gradwire.lifetime)
-        self._last_step: list[Exchange] = []
+        #: the last step's collectives' ``Work``, held until the next step's first bucket, so no
+        #: backend thread frees their tensors (gradwire.lifetime; Exchange.works)
+        self._last_step: list[Any] = []
         self._names: dict[Hashable, str] = {}
         self._param_index: dict[Hashable, int] = {}
         self._specs: dict[str, checkpoint.ParameterSpec] = {}
@@ -237,7 +237,7 @@ class CommHookState:
         self._step_groups, self._in_flight = [], []
         groups = [group for group, _ in step_groups]
         verdict = self.pipeline.finish(groups, in_flight, self.iteration)
-        self._last_step = in_flight
+        self._last_step = [work for exchange in in_flight for work in exchange.works()]
         for group, futures in step_groups:
             if verdict.action == SKIP:
                 group.target.zero()

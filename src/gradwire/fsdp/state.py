@@ -149,8 +149,8 @@ class FSDPCompressionState:
         #: the typed error of the last round that failed (FSDP's autograd hooks may re-wrap it)
         self.error: Optional[BaseException] = None
         self._called: set[int] = set()
-        #: the last step's exchanges, held (with their collectives' Work) until the next step
-        self._last_round: list[Exchange] = []
+        #: the last step's collectives' ``Work``, held until the next step (Exchange.works)
+        self._last_round: list[Any] = []
         #: this step's modules so far: completed (written or failed), agreed at the step's last module
         self._pending: list[_Reduced] = []
         self._names: dict[Hashable, str] = {}
@@ -314,7 +314,7 @@ class FSDPCompressionState:
             share = self.all_gather_stats.take_share()
             last.digest = share if last.digest is None else last.digest ^ share
         verdict = self.pipeline.agree(groups, self.iteration)
-        self._last_round = [reduced.exchange for reduced in pending]  # their Works live until the next step
+        self._last_round = [work for reduced in pending for work in reduced.exchange.works()]  # until the next step
         self.last_action = verdict.action
         if self.momentum_bases is not None and verdict.action not in (RAISE, SKIP) \
                 and self.iteration >= self.config.warmup_steps:

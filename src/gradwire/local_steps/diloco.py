@@ -188,7 +188,7 @@ class DiLoCo:
         self.skipped_outer_steps = 0
         self._dirty = False  # the model differs from θ (local steps since the last full sync)
         self._in_flight: Optional[_Sync] = None
-        self._last_round: list[Exchange] = []  # held (with their Works) until the next round starts
+        self._last_round: list[Any] = []  # the last sync's Works, held until the next round starts
         self._counters = {"bytes_outer": 0.0, "bytes_peak_sync": 0.0, "seconds_sync": 0.0, "seconds_warmup": 0.0}
         self._handles = [inner_optimizer.register_step_pre_hook(self._before_inner_step),
                          inner_optimizer.register_step_post_hook(self._after_inner_step)]
@@ -322,7 +322,7 @@ class DiLoCo:
                 for group in sync.groups:
                     group.mark_failed(collective_failed("AllReduce of buffers", self.rounds - 1, error))
         sync.verdict = self.pipeline.finish(sync.groups, sync.exchanges, self.rounds - 1)
-        self._last_round = sync.exchanges
+        self._last_round = [work for exchange in sync.exchanges for work in exchange.works()]
         sync.bytes_sent += self.pipeline.stats.current.get("bytes_sent", 0.0)
         self.pipeline.stats.end_step()
         self._counters["bytes_outer"] += sync.bytes_sent
