@@ -128,6 +128,8 @@ def test_top_k_momentum_trains_and_keeps_every_rank_alike() -> None:
 
 
 def worker_checkpoint(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
     import gradwire.fsdp
 
     model = _shard(_model())
@@ -145,20 +147,36 @@ def worker_checkpoint(rank: int, world_size: int) -> dict:
     train(range(5))
     saved = ([p.to_local().detach().clone() for p in model.parameters()], optimizer.state_dict(),
              state.state_dict())
+    gathered_here = state.state_dict(gather=True)  # a collective; rank 0's holds every rank's bases
+    every = [None] * world_size
+    dist.all_gather_object(every, gathered_here)  # the test hands rank 0's file to every rank
+    gathered = every[0]
+    # rank 1's own gathered file holds only rank 1; for rank 1, rank 0's file cut to rank 0
+    other_ranks_file = every[1] if rank == 0 else {**gathered,
+                                                   "ranks": [e for e in gathered["ranks"] if e["rank"] == 0]}
     bases_at_save = {name: values.clone() for name, (_, values) in state.momentum_bases.bases.items()}
     train(range(5, 9))
     continued = _digest(_full(model.parameters()))
-    with torch.no_grad():
-        for parameter, local in zip(model.parameters(), saved[0]):
-            parameter.to_local().copy_(local)
-    optimizer.load_state_dict(saved[1])
-    state.load_state_dict(saved[2])
+
+    def restore(hook_state: dict) -> None:
+        with torch.no_grad():
+            for parameter, local in zip(model.parameters(), saved[0]):
+                parameter.to_local().copy_(local)
+        optimizer.load_state_dict(saved[1])
+        state.load_state_dict(hook_state)
+
+    restore(saved[2])
     restored_bases = all(torch.equal(state.momentum_bases.bases[name][1], values)
                          for name, values in bases_at_save.items())
     train(range(5, 9))
+    resumed = _digest(_full(model.parameters()))
+    restore(gathered)
+    restored_gathered = _same_bases(_bases(state), {name: (p, v) for name, (p, v) in _saved_bases(saved[2]).items()})
+    train(range(5, 9))
+    resumed_gathered = _digest(_full(model.parameters()))
     errors = {}
     plain_state = {key: value for key, value in saved[2].items() if key != "momentum_bases"}
-    for case, bad in (("without bases", plain_state),
+    for case, bad in (("without bases", plain_state), ("another rank's gathered file", other_ranks_file),
                       ("positions outside", {**saved[2], "momentum_bases": {
                           name: {"positions": torch.tensor([10**6]), "values": torch.ones(1)}
                           for name in saved[2]["momentum_bases"]}})):
@@ -166,8 +184,14 @@ def worker_checkpoint(rank: int, world_size: int) -> dict:
             state.load_state_dict(bad)
         except ValueError as error:
             errors[case] = str(error)
-    return {"continued": continued, "resumed": _digest(_full(model.parameters())), "restored": restored_bases,
-            "errors": errors}
+    return {"continued": continued, "resumed": resumed, "restored": restored_bases, "errors": errors,
+            "resumed_gathered": resumed_gathered, "restored_gathered": restored_gathered,
+            "gathered_ranks": [entry["rank"] for entry in gathered["ranks"]],
+            "gathered_has_bases": all(entry["momentum_bases"] for entry in gathered["ranks"])}
+
+
+def _saved_bases(hook_state: dict) -> dict:
+    return {name: (base["positions"], base["values"]) for name, base in hook_state["momentum_bases"].items()}
 
 
 @pytest.mark.timeout(300)
@@ -176,6 +200,9 @@ def test_a_checkpoint_restores_each_ranks_bases() -> None:
     for result in results:
         assert result["restored"]
         assert result["resumed"] == result["continued"]  # the same 4 steps again, bit for bit
+        assert result["gathered_ranks"] == [0, 1] and result["gathered_has_bases"], result
+        assert result["restored_gathered"] and result["resumed_gathered"] == result["continued"]  # from rank 0's file
+        assert "not rank" in result["errors"]["another rank's gathered file"], result["errors"]
         assert "saved without compress(momentum=...)" in result["errors"]["without bases"], result["errors"]
         assert "positions outside" in result["errors"]["positions outside"], result["errors"]
 

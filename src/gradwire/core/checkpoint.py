@@ -98,14 +98,14 @@ def gather_state(local: dict[str, Any], specs: Mapping[str, ParameterSpec],
               if key in local}
     if world == 1:
         return {**header, "gathered": True, "ranks": [local]}
-    device = _communication_device(process_group)
+    device = communication_device(process_group)
     names = sorted(specs)
     root = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     kinds = [kind for kind in KINDS if kind in local]
     # one presence byte per (kind, parameter), then one flat buffer per (kind, dtype): all
     # ranks know the same names and dtypes, so every rank packs the same sizes
     presence = torch.tensor([name in local[kind] for kind in kinds for name in names], dtype=torch.uint8)
-    gathered_presence = _gather(presence.to(device), root, rank, world, process_group)
+    gathered_presence = gather_to_root(presence.to(device), root, rank, world, process_group)
     per_rank: list[dict[str, Any]] = [{"format": FORMAT, "rank": r, **{k: header[k] for k in header if k != "format"}}
                                       for r in range(world)]
     for kind in kinds:
@@ -115,7 +115,7 @@ def gather_state(local: dict[str, Any], specs: Mapping[str, ParameterSpec],
             chosen = [n for n in names if specs[n].dtype == dtype]
             flat = torch.cat([_flat_or_zeros(local[kind].get(n), specs[n]) for n in chosen]) if chosen else \
                 torch.zeros(0, dtype=dtype)
-            received = _gather(flat.to(device), root, rank, world, process_group)
+            received = gather_to_root(flat.to(device), root, rank, world, process_group)
             if received is None:
                 continue
             for r, buffer in enumerate(received):
@@ -212,7 +212,7 @@ def _flat_or_zeros(tensor: Optional[torch.Tensor], spec: ParameterSpec) -> torch
     return tensor.detach().reshape(-1).to("cpu", spec.dtype)
 
 
-def _gather(tensor: torch.Tensor, root: int, rank: int, world: int,
+def gather_to_root(tensor: torch.Tensor, root: int, rank: int, world: int,
             group: Optional[dist.ProcessGroup]) -> Optional[list[torch.Tensor]]:
     """``dist.gather`` to group rank 0: the list of every rank's tensor there, None elsewhere."""
     buffers = [torch.empty_like(tensor) for _ in range(world)] if rank == 0 else None
@@ -221,7 +221,7 @@ def _gather(tensor: torch.Tensor, root: int, rank: int, world: int,
     return buffers
 
 
-def _communication_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+def communication_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

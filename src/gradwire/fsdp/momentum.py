@@ -27,7 +27,9 @@ import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
+from ..core.checkpoint import communication_device, gather_to_root
 from ..core.group import Group
 
 
@@ -85,6 +87,48 @@ class MomentumBases:
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {name: {"positions": positions.detach().cpu().clone(), "values": values.detach().cpu().clone()}
                 for name, (positions, values) in self.bases.items()}
+
+    def gathered_state_dicts(self, names: list[str], process_group: Optional[dist.ProcessGroup] = None
+                             ) -> Optional[list[dict[str, dict[str, torch.Tensor]]]]:
+        """Collective over ``process_group``: every rank's :meth:`state_dict` on its rank 0 (in
+        group rank order), None on the other ranks. Tensors only, no pickling: the counts per
+        module, then positions and values padded to the longest rank's total.
+
+        Args:
+            names: every FSDP module's name, alike on every rank (a module without a base is sent
+                as absent, not as empty).
+        """
+        world = dist.get_world_size(process_group)
+        if world == 1:
+            return [self.state_dict()]
+        rank, device = dist.get_rank(process_group), communication_device(process_group)
+        bases = [self.bases.get(name) for name in names]
+        counts = torch.tensor([-1 if base is None else base[0].numel() for base in bases], dtype=torch.int64)
+        longest = counts.clamp(min=0).sum().reshape(1).to(device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=process_group)
+        size = int(longest.item())
+        positions = torch.zeros(size, dtype=torch.int64)
+        values = torch.zeros(size, dtype=torch.float32)
+        present = [base for base in bases if base is not None]
+        if present:
+            own = torch.cat([p.detach().cpu() for p, _ in present])
+            positions[:own.numel()] = own
+            values[:own.numel()] = torch.cat([v.detach().cpu().float() for _, v in present])
+        root = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        gathered = [gather_to_root(tensor.to(device), root, rank, world, process_group)
+                    for tensor in (counts, positions, values)]
+        if gathered[0] is None:
+            return None
+        out = []
+        for rank_counts, rank_positions, rank_values in zip(*gathered):
+            state, start = {}, 0
+            for name, count in zip(names, rank_counts.tolist()):
+                if count >= 0:
+                    state[name] = {"positions": rank_positions[start: start + count].cpu().clone(),
+                                   "values": rank_values[start: start + count].cpu().clone()}
+                    start += count
+            out.append(state)
+        return out
 
     def load_state_dict(self, state: Any, numels: dict[str, int]) -> None:
         """Restore :meth:`state_dict` output; ``numels``: each module's flat gradient size.

@@ -212,13 +212,18 @@ class FSDPCompressionState:
         """This rank's residuals (per parameter chunk ``"name#j"``, and per module ``"module#replicas"``
         with HSDP), the step counter and whose state it is (rank, world size, options); see
         :mod:`gradwire.core.checkpoint`. ``gather=True`` is a collective (rank 0 gets every rank's)."""
-        if self.momentum_bases is not None and gather:
-            raise ValueError("state_dict(gather=True) does not carry momentum= bases yet: save each rank's "
-                             "state_dict() instead")
         state = self.pipeline.state_dict(names=self._names, specs=self._specs, iteration=self.iteration,
                                          gather=gather)
-        if self.momentum_bases is not None:
+        if self.momentum_bases is None:
+            return state
+        if not gather:
             state["momentum_bases"] = self.momentum_bases.state_dict()
+            return state
+        # the gathered form: each rank's entry carries that rank's bases (what it sent is its own)
+        every = self.momentum_bases.gathered_state_dicts([unit.name for unit in self.units], self.process_group)
+        own = self.momentum_bases.state_dict()
+        for entry in state["ranks"]:
+            entry["momentum_bases"] = every[entry["rank"]] if every is not None else own
         return state
 
     def load_state_dict(self, state: dict[str, Any], device: "torch.device | str | None" = None) -> None:
@@ -227,17 +232,17 @@ class FSDPCompressionState:
         another world size, other options, or tensors that do not fit (nothing changes then)."""
         if device is None:
             device = next(self.model.parameters()).device
-        if (self.momentum_bases is None) != ("momentum_bases" not in state):
-            raise ValueError("this state was saved " + ("with" if "momentum_bases" in state else "without")
+        state, saved_bases = _without_bases(state, self.pipeline.rank())
+        if (self.momentum_bases is None) != (saved_bases is None):
+            raise ValueError("this state was saved " + ("with" if saved_bases is not None else "without")
                              + " compress(momentum=...) and is loaded " + ("without" if self.momentum_bases is None
                                                                         else "with") + " it")
         if self.momentum_bases is not None:
             shard_sizes = {unit.name: _shard_size(unit) for unit in self.units}
             check = MomentumBases(self.momentum_bases.beta)  # validated before anything changes
-            check.load_state_dict(state["momentum_bases"], {
+            check.load_state_dict(saved_bases, {
                 unit.name: shard_sizes[unit.name] * layout.shard_numel(unit.shapes, shard_sizes[unit.name])
                 for unit in self.units})
-            state = {key: value for key, value in state.items() if key != "momentum_bases"}
         self.iteration = self.pipeline.load_state_dict(state, names=self._names, specs=self._specs, device=device)
         if self.momentum_bases is not None:
             self.momentum_bases = check
@@ -521,6 +526,27 @@ def _reduce_in_one_dimension(param_group: Any) -> None:
 
 def _modules_of(model: nn.Module, unit: _Unit) -> list[FSDPModule]:
     return [m for n, m in model.named_modules() if n == unit.name and isinstance(m, FSDPModule)]
+
+
+def _without_bases(state: Any, rank: int) -> tuple[Any, Any]:
+    """``state`` without its ``momentum_bases`` (this rank's own form, or in the gathered form this
+    rank's entry's; the core checks the rest), and those bases (None where there are none)."""
+    if not isinstance(state, dict):
+        return state, None
+    if not state.get("gathered"):
+        return {key: value for key, value in state.items() if key != "momentum_bases"}, state.get("momentum_bases")
+    ranks = state.get("ranks")
+    if not isinstance(ranks, list):
+        return state, None
+    own = [entry for entry in ranks if isinstance(entry, dict) and entry.get("rank") == rank]
+    stripped = [{key: value for key, value in entry.items() if key != "momentum_bases"}
+                if isinstance(entry, dict) else entry for entry in ranks]
+    if own:
+        return {**state, "ranks": stripped}, own[0].get("momentum_bases")
+    # not this rank's file: the core's check says so; whether the file has bases still decides
+    # which of the two messages about momentum= is due, so report an empty set if any entry has them
+    return {**state, "ranks": stripped}, ({} if any(isinstance(entry, dict) and "momentum_bases" in entry
+                                                   for entry in ranks) else None)
 
 
 def _shard_size(unit: _Unit) -> int:
