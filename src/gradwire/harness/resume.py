@@ -8,7 +8,9 @@ Layout, per method (``folder = <checkpoint_dir>/<method slug>``)::
     folder/step-000040/COMPLETE                   written by rank 0 once every rank's file is on disk
 
 Every rank writes its own file (no gather: a node-local folder works as long as ranks keep their
-node), then a barrier, then rank 0 marks the step complete and drops all but the last two. On
+node; under FSDP2 each file holds the rank's own shards of the parameters and of the optimizer's
+state, as plain tensors, put back into the DTensors of the same sharding on load), then a barrier,
+then rank 0 marks the step complete and drops all but the last two. On
 start, rank 0 finds the latest complete step and broadcasts it, so every rank resumes from the
 same step. Files are read with ``torch.load(weights_only=True)``; a hook state saved by another
 rank or world size is refused (see :mod:`gradwire.core.checkpoint`).
@@ -74,8 +76,9 @@ def save(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.opt
     rank = dist.get_rank()
     target = _step_folder(folder, step)
     os.makedirs(target, exist_ok=True)
-    payload = {"step": step, "rank": rank, "world_size": dist.get_world_size(), "model": model.state_dict(),
-               "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+    payload = {"step": step, "rank": rank, "world_size": dist.get_world_size(),
+               "model": _local_shards(model.state_dict()), "optimizer": _local_shards(optimizer.state_dict()),
+               "rng": torch.get_rng_state(),
                "hook": hook_state.state_dict() if hook_state is not None else None}
     temporary = os.path.join(target, f".rank{rank}.pt.tmp")
     torch.save(payload, temporary)
@@ -113,13 +116,72 @@ def load(folder: str, step: int, *, model: torch.nn.Module, optimizer: torch.opt
     if payload.get("world_size") != dist.get_world_size():
         raise ValueError(f"checkpoint {path} was written by a job of {payload.get('world_size')} ranks, this one has "
                          f"{dist.get_world_size()}; start from another --checkpoint-dir")
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    _load_model(model, payload["model"], path)
+    optimizer.load_state_dict(_as_sharded(payload["optimizer"], optimizer))
     torch.set_rng_state(payload["rng"])
     if hook_state is not None:
         if payload["hook"] is None:
             raise ValueError(f"checkpoint {path} holds no gradwire hook state, but this method uses the hook")
         hook_state.load_state_dict(payload["hook"], device=device)
+
+
+def _local_shards(state: Any) -> Any:
+    """``state`` (a nested state dict) with every DTensor replaced by this rank's local shard: a
+    file of plain tensors, which ``torch.load(weights_only=True)`` reads."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local().detach().clone()
+    if isinstance(state, dict):
+        return {key: _local_shards(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_local_shards(value) for value in state)
+    return state
+
+
+def _load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
+    """Load ``saved`` (from :func:`_local_shards`) into ``model``: a sharded (DTensor) entry takes
+    the rank's local shard in place, the others go through ``load_state_dict``."""
+    from torch.distributed.tensor import DTensor
+
+    current = model.state_dict()
+    plain = {}
+    for name, tensor in saved.items():
+        target = current.get(name)
+        if isinstance(target, DTensor):
+            local = target.to_local()
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != local.shape:
+                raise ValueError(f"checkpoint {path}: {name} holds a shard of shape "
+                                 f"{tuple(getattr(tensor, 'shape', ()))}, this rank's is {tuple(local.shape)}")
+            with torch.no_grad():
+                local.copy_(tensor)
+        else:
+            plain[name] = tensor
+    sharded = {name for name, tensor in current.items() if isinstance(tensor, DTensor)}
+    missing = sharded - set(saved)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {', '.join(sorted(missing)[:5])}")
+    model.load_state_dict(plain, strict=not sharded)
+
+
+def _as_sharded(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state dict from :func:`_local_shards` with each per-parameter tensor shaped like
+    its parameter's local shard made a DTensor of that parameter's sharding again (so the
+    optimizer's arithmetic meets DTensors, as before the save)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    restored = {}
+    for index, values in state.get("state", {}).items():
+        parameter = parameters[index] if isinstance(index, int) and 0 <= index < len(parameters) else None
+        if isinstance(parameter, DTensor) and isinstance(values, dict):
+            local_shape = parameter.to_local().shape
+            values = {key: DTensor.from_local(value, parameter.device_mesh, parameter.placements,
+                                              shape=parameter.shape, stride=parameter.stride())
+                      if isinstance(value, torch.Tensor) and value.dim() and value.shape == local_shape else value
+                      for key, value in values.items()}
+        restored[index] = values
+    return {**state, "state": restored}
 
 
 def trim_metrics(path: str, step: int) -> list[dict[str, Any]]:

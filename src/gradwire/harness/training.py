@@ -134,9 +134,6 @@ class TrainConfig:
                     and not (self.fsdp and self.optimizer == "adamw"):
                 raise ValueError(f"method {spec!r}: momentum= is 1-bit Adam's exchange for FSDP2 "
                                  "(gradwire.fsdp.MomentumAdamW); it needs --fsdp and --optimizer adamw")
-            if self.fsdp and self.checkpoint_dir:
-                raise ValueError("fsdp=True: --checkpoint-dir is not supported with FSDP2 yet (sharded model and "
-                                 "optimizer state)")
             if self.checkpoint_dir and spec_parsed.pufferfish is not None:
                 raise ValueError(f"checkpoint_dir: {spec!r} changes the model mid-run (pufferfish), which checkpoints "
                                  "do not cover yet")
@@ -338,6 +335,12 @@ def _wrap_fsdp(module: torch.nn.Module, spec: MethodSpec) -> tuple[Sharded, Any,
     return Sharded(model), gradwire.fsdp.compress(model, **spec.hook_options()), float(dense)
 
 
+def _checkpointed(state: Any) -> Any:
+    """The part of a method's state a checkpoint keeps: gradwire's (hook, FSDP2 or local-steps)
+    state; None for plain FSDP2's timing wrapper, which holds nothing to resume."""
+    return state if hasattr(state, "state_dict") else None
+
+
 def _peak_rss_mb() -> float:
     import resource
 
@@ -406,8 +409,8 @@ def train_method(config: TrainConfig, spec_text: str) -> dict[str, Any]:
     folder = os.path.join(config.checkpoint_dir, file_slug(spec_text)) if config.checkpoint_dir else None
     start_step = resume.latest_step(folder) if folder else 0
     if start_step:
-        resume.load(folder, start_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"],
-                    device=device)
+        resume.load(folder, start_step, model=ddp.module, optimizer=optimizer,
+                    hook_state=_checkpointed(holder["state"]), device=device)
         if spec.local_steps is not None:  # the per-step byte counts go on from the restored counters
             stats = holder["state"].stats()
             holder["local_last"] = (stats["bytes_sent"], stats["seconds_sync"] + stats["seconds_warmup"])
@@ -535,7 +538,8 @@ def _loop(config: TrainConfig, spec: MethodSpec, workload: Workload, ddp: Any, o
     wire_start = None
 
     def checkpoint() -> None:
-        resume.save(folder, global_step, model=ddp.module, optimizer=optimizer, hook_state=holder["state"])
+        resume.save(folder, global_step, model=ddp.module, optimizer=optimizer,
+                    hook_state=_checkpointed(holder["state"]))
 
     for epoch in range(config.epochs):
         if global_step >= total_steps:
