@@ -96,19 +96,15 @@ def test_hierarchical_two_nodes_of_two() -> None:
     assert all(r["gap"] < 1e-6 for r in results), [r["gap"] for r in results]
 
 
-def worker_hierarchical_feedback(rank: int, world_size: int, residual_dtype: str) -> dict:
-    """The hierarchical exchange's error feedback through GradientExchange (2 nodes x 2 ranks): what
-    was applied + the mean residual == the mean gradient over steps, residuals held and stored in
-    ``residual_dtype``."""
+def _applied_and_wanted(model: torch.nn.Module, exchange: "gradwire.GradientExchange", rank: int,
+                        world_size: int, *, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Train ``steps`` steps through ``exchange``; per parameter, the float64 sums of what it applied
+    and of the exact mean gradient (an uncompressed AllReduce beside it), for telescoping checks."""
     import torch.distributed as dist
 
-    model = _model()
-    exchange = gradwire.GradientExchange(model, compressor="topk", density=0.1, collective="sparse-allreduce",
-                                         hierarchy=2, index_codec="rice", value_codec="fp32",
-                                         residual_dtype=residual_dtype, bucket_cap_mb=0.001)
     applied = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
     wanted = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    for step in range(4):
+    for step in range(steps):
         model.zero_grad()
         inputs, targets = _batch(rank, step)
         torch.nn.functional.cross_entropy(model(inputs), targets).backward()
@@ -119,6 +115,20 @@ def worker_hierarchical_feedback(rank: int, world_size: int, residual_dtype: str
         exchange.synchronize()
         for parameter, total in zip(model.parameters(), applied):
             total += parameter.grad.double()
+    return applied, wanted
+
+
+def worker_hierarchical_feedback(rank: int, world_size: int, residual_dtype: str) -> dict:
+    """The hierarchical exchange's error feedback through GradientExchange (2 nodes x 2 ranks): what
+    was applied + the mean residual == the mean gradient over steps, residuals held and stored in
+    ``residual_dtype``."""
+    import torch.distributed as dist
+
+    model = _model()
+    exchange = gradwire.GradientExchange(model, compressor="topk", density=0.1, collective="sparse-allreduce",
+                                         hierarchy=2, index_codec="rice", value_codec="fp32",
+                                         residual_dtype=residual_dtype, bucket_cap_mb=0.001)
+    applied, wanted = _applied_and_wanted(model, exchange, rank, world_size, steps=4)
     gap, dtypes = 0.0, set()
     for parameter, got, want in zip(model.parameters(), applied, wanted):
         residual = exchange.feedback.residual(id(parameter))
@@ -181,19 +191,7 @@ def worker_quantized(rank: int, world_size: int, bits: int) -> dict:
     model = _model()
     exchange = gradwire.GradientExchange(model, compressor="none", quantize=f"int{bits}", quantize_block=16,
                                          bucket_cap_mb=0.001)
-    applied = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    wanted = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
-    for step in range(4):
-        model.zero_grad()
-        inputs, targets = _batch(rank, step)
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-        for parameter, total in zip(model.parameters(), wanted):
-            grad = parameter.grad.clone()
-            dist.all_reduce(grad)
-            total += grad.double() / world_size
-        exchange.synchronize()
-        for parameter, total in zip(model.parameters(), applied):
-            total += parameter.grad.double()
+    applied, wanted = _applied_and_wanted(model, exchange, rank, world_size, steps=4)
     gap = 0.0
     for parameter, got, want in zip(model.parameters(), applied, wanted):
         residual = exchange.feedback.residual(id(parameter)).reshape(parameter.shape).clone()
