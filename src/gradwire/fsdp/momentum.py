@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..core.checkpoint import communication_device, gather_to_root
 from ..core.group import Group
+from ..lifetime import wait_for
 
 
 class MomentumBases:
@@ -105,7 +106,8 @@ class MomentumBases:
         bases = [self.bases.get(name) for name in names]
         counts = torch.tensor([-1 if base is None else base[0].numel() for base in bases], dtype=torch.int64)
         longest = counts.clamp(min=0).sum().reshape(1).to(device)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=process_group)
+        wait_for(dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=process_group, async_op=True), None,
+                 "AllReduce of the momentum bases' sizes")
         size = int(longest.item())
         positions = torch.zeros(size, dtype=torch.int64)
         values = torch.zeros(size, dtype=torch.float32)
