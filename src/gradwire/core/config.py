@@ -75,7 +75,7 @@ class ExchangeConfig:
     quantize_block: int = field(default=128, metadata=_LATER)
     residual_dtype: str = field(default="float32", metadata=_LATER)
     feedback_decay: float = field(default=1.0, metadata=_LATER)
-    #: the sparsifier's chunk (``chunktopk``); None: the sparsifier's default
+    #: the sparsifier's chunk (``chunktopk``, ``blocktopk``); None: the sparsifier's default
     chunk: Optional[int] = field(default=None, metadata=_LATER)
     collective_timeout: float = field(default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_LOCAL)
     log_every: int = field(default=0, metadata=_LOCAL)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..sparse import SparseTensor
-from . import chunked, gaussian, nonzero, random, sampled, threshold, topk  # noqa: F401  (each registers itself)
+from . import blocked, chunked, gaussian, nonzero, random, sampled, threshold, topk  # noqa: F401  (each registers itself)
 from .base import (BudgetSparsifier, DataSizedSparsifier, Sparsifier, get_sparsifier, register_sparsifier,
                    sparsifier_classes)
 from .scope import select_global, select_layerwise
