@@ -1,11 +1,14 @@
 """The tables of docs/local-steps.md, from the runs' JSON files (every number there comes from here).
 
     python scripts/local_steps_report.py [--runs docs/lm/local-steps] [--timing docs/lm/local-steps/timing.json]
+        [--plot docs/lm/local-steps/frontier.png]
 
 ``--runs``: ``gradwire simulate --json`` records named ``NAME-sSEED.json`` (scripts/local_steps_runs.sh
 writes them); a run named ``ddp`` is the DDP reference, ``dense-hH`` the dense DiLoCo reference of
 period H. ``--timing``: ``gradwire bench e2e`` results (``results.json``) of the emulated cluster,
-whose methods the TIMED table below maps to simulated runs. Prints markdown tables.
+whose methods the TIMED table below maps to simulated runs. Prints markdown tables. ``--plot``: the
+loss–bytes frontier (held-out loss and its distance from dense outer steps of the same period, against
+bytes per local step) as a PNG; needs matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -262,14 +265,113 @@ def _rate(bandwidth: str) -> float:
     return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9, "": 1}[match.group(2)] if match else 0.0
 
 
+def family(name: str, record: dict[str, Any]) -> str:
+    """What a run sends: "DDP", "per-step" (a compressor every step) or, at its syncs, "dense",
+    "quantized" or "sparse"."""
+    method = record.get("method", "")
+    if name == "ddp":
+        return "DDP"
+    if not method.startswith("diloco"):
+        return "per-step"
+    if "+" not in method:
+        return "dense"
+    return "quantized" if "+quantize" in method else "sparse"
+
+
+def frontier_points(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One point per run that counted its bytes (DDP's at 1): its family, bytes per local step as a fraction of
+    DDP's, the mean held-out loss over its seeds and, where a dense run of its period exists, the
+    mean over the seeds both have relative to that run (in percent; NaN without one)."""
+    points = []
+    for name, seeds in sorted(runs.items()):
+        first = next(iter(seeds.values()))
+        kind = family(name, first)
+        # a per-step compressor's every step is a local step
+        local = first.get("bytes_per_local_step", first.get("bytes_per_step") if kind == "per-step" else None)
+        if local is None and name != "ddp":
+            continue
+        period = re.search(r"sync_every=(\d+)", first.get("method", ""))
+        reference = runs.get(f"dense-h{period.group(1)}") if period else None
+        common = sorted(set(seeds) & set(reference or {}))
+        relative = math.nan
+        if common and reference is not seeds:
+            mine = sum(seeds[s]["held_out_loss"] for s in common) / len(common)
+            theirs = sum(reference[s]["held_out_loss"] for s in common) / len(common)
+            relative = 100 * (mine / theirs - 1)
+        points.append({"name": name, "family": kind, "seeds": len(seeds),
+                       "fraction": 1.0 if local is None else local / first["bytes_ddp_per_step"],
+                       "loss": mean_spread([r["held_out_loss"] for r in seeds.values()])[0],
+                       "vs_dense": relative})
+    return points
+
+
+_COLOURS = {"DDP": "black", "per-step": "tab:purple", "dense": "tab:blue", "quantized": "tab:green",
+            "sparse": "tab:red"}
+
+
+def plot_frontier(runs: dict[str, dict[int, dict[str, Any]]], path: str) -> None:
+    """Two panels against bytes per local step (log): the held-out loss, and its distance from dense
+    outer steps of the same period with issue 19's bounds (5% at ≤ 1/2000 for sparse outer steps).
+    Hollow markers: one seed; filled: the mean of two or more.
+
+    Raises:
+        SystemExit: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'gradwire[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = frontier_points(runs)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for axis, key in ((left, "loss"), (right, "vs_dense")):
+        for point in points:
+            if math.isnan(point[key]):
+                continue
+            colour = _COLOURS[point["family"]]
+            axis.scatter(point["fraction"], point[key], s=30, edgecolors=colour,
+                         facecolors=colour if point["seeds"] > 1 else "none", zorder=3)
+            if point["family"] in ("sparse", "DDP", "per-step") or key == "loss" and point["family"] == "dense":
+                axis.annotate(point["name"], (point["fraction"], point[key]), fontsize=6,
+                              xytext=(3, 2), textcoords="offset points")
+        axis.set_xscale("log")
+        axis.axvline(1 / 2000, color="grey", linestyle=":", linewidth=1)
+        axis.set_xlabel("bytes per local step / DDP's bytes per step (log)")
+        axis.grid(True, which="major", alpha=0.3)
+    if "ddp" in runs:
+        left.axhline(points[[p["name"] for p in points].index("ddp")]["loss"], color="black",
+                     linestyle="--", linewidth=0.8, label="DDP's loss")
+    right.axhline(5, color="tab:red", linestyle="--", linewidth=0.8, label="+5% (sparse target)")
+    right.axhline(1, color="tab:green", linestyle="--", linewidth=0.8, label="+1% (quantized target)")
+    left.set_ylabel("final held-out loss (mean over seeds)")
+    right.set_ylabel("vs dense outer steps at the same H, %")
+    right.set_yscale("symlog", linthresh=10)
+    worst = max((p["vs_dense"] for p in points if not math.isnan(p["vs_dense"])), default=10.0)
+    right.set_ylim(top=max(worst, 10.0) * 1.4)
+    for family_name in sorted({p["family"] for p in points}, key=list(_COLOURS).index):
+        left.scatter([], [], color=_COLOURS[family_name], label=family_name)
+    left.legend(fontsize=7, loc="upper right")
+    right.legend(fontsize=7, loc="lower left")
+    figure.suptitle("DiLoCo outer steps: loss against bytes (4 simulated workers, 1500 steps; dotted: 1/2000)",
+                    fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=130)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="docs/lm/local-steps")
     parser.add_argument("--timing", default=None, help="gradwire bench e2e results.json")
     parser.add_argument("--map", default=None, help="JSON: {run: [local method, warm-up method or null]}")
+    parser.add_argument("--plot", default=None, help="write the loss-bytes frontier to this PNG")
     args = parser.parse_args()
     runs = load(args.runs)
     print(quality_table(runs))
+    if args.plot:
+        plot_frontier(runs, args.plot)
     if args.timing:
         with open(args.timing) as handle:
             timing = json.load(handle)
