@@ -7,6 +7,10 @@ positions runs of consecutive elements, which the run-length index code (``rle``
 ``(2 log2(chunk) + 2 log2(chunk / density)) / chunk`` bits per position (about 0.9 bits at
 ``chunk=32`` and 10%), so almost the whole budget goes to values. The price is the selection's
 resolution: a chunk is kept for its sum of squares, with its small elements beside its large ones.
+On the outer steps of the byte-level transformer that price was the larger one: at H = 64 and about
+the same bytes, 10% in chunks of 16 ended 30% behind dense outer steps where elementwise top-k 4%
+ended 15% behind (docs/local-steps.md, "Whole chunks"). Use it where a tensor's energy does sit in
+runs along its memory order.
 
 ``chunktopk`` is the other per-chunk rule: every chunk keeps its share of ``k``, element by element.
 """
