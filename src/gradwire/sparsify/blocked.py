@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from ..errors import is_integer
 from .base import BudgetSparsifier, register_sparsifier
+from .chunked import checked_chunk
 
 #: elements per chunk: a run of 32 costs the run-length code 11 bits, a third of a bit per position
 DEFAULT_BLOCK_CHUNK = 32
@@ -50,9 +50,7 @@ class BlockTopK(BudgetSparsifier):
     def __init__(self, *, density: float | None = None, k: int | None = None, seed: int = 0,
                  chunk: int = DEFAULT_BLOCK_CHUNK) -> None:
         super().__init__(density=density, k=k, seed=seed)
-        if not (is_integer(chunk) and chunk >= 1):
-            raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
-        self.chunk = int(chunk)
+        self.chunk = checked_chunk(chunk)
 
     def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
         numel = flat.numel()

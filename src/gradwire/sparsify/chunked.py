@@ -21,6 +21,17 @@ from .base import BudgetSparsifier, register_sparsifier
 DEFAULT_CHUNK = 4096
 
 
+def checked_chunk(chunk: object) -> int:
+    """A ``chunk=`` option as an int.
+
+    Raises:
+        ValueError: ``chunk`` is not an integer >= 1.
+    """
+    if not (is_integer(chunk) and chunk >= 1):
+        raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
+    return int(chunk)
+
+
 def chunk_quotas(numel: int, k: int, chunk: int) -> torch.Tensor:
     """How many of ``k`` each chunk of ``chunk`` elements of ``numel`` keeps: int64 (chunks,),
     summing to ``k``, the c-th ``floor(k L_c / n) - floor(k L_(c-1) / n)`` with ``L_c`` the
@@ -48,9 +59,7 @@ class ChunkTopK(BudgetSparsifier):
     def __init__(self, *, density: float | None = None, k: int | None = None, seed: int = 0,
                  chunk: int = DEFAULT_CHUNK) -> None:
         super().__init__(density=density, k=k, seed=seed)
-        if not (is_integer(chunk) and chunk >= 1):
-            raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
-        self.chunk = int(chunk)
+        self.chunk = checked_chunk(chunk)
 
     def _select_k(self, flat: torch.Tensor, k: int, *, step: int, tensor_id: int) -> torch.Tensor:
         numel = flat.numel()
