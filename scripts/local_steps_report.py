@@ -114,8 +114,7 @@ def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
         # the DDP calibration record (docs/lm/calibration-4x1500.json) has no method or byte counts
         first = next((r for r in seeds.values() if "bytes_per_step" in r), next(iter(seeds.values())))
         loss, spread = mean_spread([r["held_out_loss"] for r in seeds.values()])
-        period = re.search(r"sync_every=(\d+)", first.get("method", ""))
-        reference = runs.get(f"dense-h{period.group(1)}") if period else None
+        reference = dense_reference(runs, first)
         ratio = first["bytes_per_step"] / first["bytes_ddp_per_step"] if "bytes_per_step" in first else math.nan
         local = first.get("bytes_per_local_step")
         local_ratio = local / first["bytes_ddp_per_step"] if local is not None else math.nan
@@ -127,22 +126,31 @@ def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def _paired(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int, dict[str, Any]]]) -> str:
-    """The mean held-out loss over the seeds both have, relative to the reference's over the same seeds."""
+def dense_reference(runs: dict[str, dict[int, dict[str, Any]]], record: dict[str, Any]
+                    ) -> Optional[dict[int, dict[str, Any]]]:
+    """The seeds of the dense run (``dense-hH``) of ``record``'s period H, or None."""
+    period = re.search(r"sync_every=(\d+)", record.get("method", ""))
+    return runs.get(f"dense-h{period.group(1)}") if period else None
+
+
+def paired_change(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int, dict[str, Any]]]) -> float:
+    """The mean held-out loss over the seeds both have, relative to the reference's over the same
+    seeds, in percent (NaN when they have none in common)."""
     common = sorted(set(seeds) & set(reference or {}))
     if not common:
-        return "–"
+        return math.nan
     mine = sum(seeds[s]["held_out_loss"] for s in common) / len(common)
     theirs = sum(reference[s]["held_out_loss"] for s in common) / len(common)
-    return _pct(mine, theirs)
+    return 100 * (mine / theirs - 1)
+
+
+def _paired(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int, dict[str, Any]]]) -> str:
+    change = paired_change(seeds, reference)
+    return "–" if math.isnan(change) else f"{change:+.1f}%"
 
 
 def _kb(value: Optional[float]) -> str:
     return "–" if value is None else f"{value / 1e3:.1f}"
-
-
-def _pct(value: float, reference: float) -> str:
-    return "–" if math.isnan(reference) else f"{100 * (value / reference - 1):+.1f}%"
 
 
 def _ratio(value: float) -> str:
@@ -290,18 +298,11 @@ def frontier_points(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str
         local = first.get("bytes_per_local_step", first.get("bytes_per_step") if kind == "per-step" else None)
         if local is None and name != "ddp":
             continue
-        period = re.search(r"sync_every=(\d+)", first.get("method", ""))
-        reference = runs.get(f"dense-h{period.group(1)}") if period else None
-        common = sorted(set(seeds) & set(reference or {}))
-        relative = math.nan
-        if common and reference is not seeds:
-            mine = sum(seeds[s]["held_out_loss"] for s in common) / len(common)
-            theirs = sum(reference[s]["held_out_loss"] for s in common) / len(common)
-            relative = 100 * (mine / theirs - 1)
+        reference = dense_reference(runs, first)
         points.append({"name": name, "family": kind, "seeds": len(seeds),
                        "fraction": 1.0 if local is None else local / first["bytes_ddp_per_step"],
                        "loss": mean_spread([r["held_out_loss"] for r in seeds.values()])[0],
-                       "vs_dense": relative})
+                       "vs_dense": paired_change(seeds, reference) if reference is not seeds else math.nan})
     return points
 
 
@@ -340,9 +341,9 @@ def plot_frontier(runs: dict[str, dict[int, dict[str, Any]]], path: str) -> None
         axis.axvline(1 / 2000, color="grey", linestyle=":", linewidth=1)
         axis.set_xlabel("bytes per local step / DDP's bytes per step (log)")
         axis.grid(True, which="major", alpha=0.3)
-    if "ddp" in runs:
-        left.axhline(points[[p["name"] for p in points].index("ddp")]["loss"], color="black",
-                     linestyle="--", linewidth=0.8, label="DDP's loss")
+    for point in points:
+        if point["family"] == "DDP":
+            left.axhline(point["loss"], color="black", linestyle="--", linewidth=0.8, label="DDP's loss")
     right.axhline(5, color="tab:red", linestyle="--", linewidth=0.8, label="+5% (sparse target)")
     right.axhline(1, color="tab:green", linestyle="--", linewidth=0.8, label="+1% (quantized target)")
     left.set_ylabel("final held-out loss (mean over seeds)")
