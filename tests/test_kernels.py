@@ -361,3 +361,25 @@ def test_compensate_and_check_segments_without_a_residual_and_its_errors() -> No
         kernels.compensate_and_check_segments(grad, None, np.ones(2, np.bool_), out, ends=ends)
     with pytest.raises(ValueError, match="2 segments ending at 9 for 10 elements"):
         kernels.compensate_and_check_segments(grad, None, np.zeros(2, np.bool_), out, ends=np.array([1, 9]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_keeping_the_largest_candidates_equals_the_torch_numpy_path(dtype: type) -> None:
+    """``_finish``'s native path (numpy's partition, one branch-free pass) keeps what the
+    torch/numpy path keeps: the same positions, values and order, ties at the k-th the first ones."""
+    rng = np.random.default_rng(12)
+    for trial in range(200):
+        count = int(rng.integers(1, 20_000))
+        k = int(rng.integers(1, count + 3))
+        values = rng.standard_normal(count).astype(dtype)
+        if trial % 3 == 0:
+            values = np.round(values * 2) / 2  # many ties at the k-th magnitude
+        if trial % 7 == 0:
+            values[rng.integers(0, count, 3)] = np.inf
+            values[rng.integers(0, count, 2)] = -np.inf
+        positions = np.sort(rng.choice(10 * count, count, replace=False)).astype(np.int64)
+        chosen = topk.topk_indices(torch.from_numpy(np.abs(values)), min(k, count)).numpy()
+        kept_positions, kept_values = kernels.keep_largest_candidates(positions, values, k)
+        np.testing.assert_array_equal(kept_positions, positions[chosen])
+        np.testing.assert_array_equal(kept_values, values[chosen])
+        assert kept_values.dtype == values.dtype

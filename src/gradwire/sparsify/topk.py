@@ -211,6 +211,13 @@ def _finish(flat: torch.Tensor, candidates: "Candidates", k: int) -> "tuple[torc
     positions, values = candidates
     if values is None:
         values = torch.index_select(flat, 0, positions)
+    # one native pass after numpy's partition, where the kernels take the arrays (the five numpy
+    # calls and two torch gathers below cost about 1.6x as much for ResNet-18's candidates)
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) \
+            and positions.dtype == torch.int64 and positions.is_contiguous() and values.is_contiguous() \
+            and kernels.usable(values.detach().numpy()):
+        kept = kernels.keep_largest_candidates(positions.numpy(), values.detach().numpy(), k)
+        return torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
     chosen = topk_indices(values.abs(), k)
     return positions[chosen], values[chosen]
 
