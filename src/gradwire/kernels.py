@@ -303,7 +303,6 @@ def compensate_and_top(grad: np.ndarray, residual: Optional[np.ndarray], out: np
     return positions, values
 
 
-
 def keep_largest_candidates(positions: np.ndarray, values: np.ndarray, k: int) -> "tuple[np.ndarray, np.ndarray]":
     """The ``k`` candidates of largest ``|values|``, in their order (ties at the k-th: the first
     ones): what ``positions[topk_indices(|values|, k)]`` and ``values[...]`` answer, without
