@@ -26,12 +26,11 @@ METHOD = "topk:density=0.01,values=fp16,indices=rice,collective=allgather"
 
 
 def torch_numpy_finish(flat: torch.Tensor, candidates: topk.Candidates, k: int) -> "tuple[torch.Tensor, torch.Tensor]":
-    """``topk._finish`` before the native path: the same answer (tests/test_kernels.py)."""
+    """``topk._finish`` without the native path: the same answer (tests/test_kernels.py)."""
     positions, values = candidates
     if values is None:
         values = torch.index_select(flat, 0, positions)
-    chosen = topk.topk_indices(values.abs(), k)
-    return positions[chosen], values[chosen]
+    return topk.largest_among(positions, values, k)
 
 
 def main() -> None:

@@ -211,13 +211,20 @@ def _finish(flat: torch.Tensor, candidates: "Candidates", k: int) -> "tuple[torc
     positions, values = candidates
     if values is None:
         values = torch.index_select(flat, 0, positions)
-    # one native pass after numpy's partition, where the kernels take the arrays (the five numpy
-    # calls and two torch gathers below cost about 1.6x as much for ResNet-18's candidates)
+    # one native pass after numpy's partition, where the kernels take the arrays (the torch/numpy
+    # path's five numpy calls and two torch gathers cost about 1.6x as much for ResNet-18's candidates)
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) \
-            and positions.dtype == torch.int64 and positions.is_contiguous() and values.is_contiguous() \
-            and kernels.usable(values.detach().numpy()):
-        kept = kernels.keep_largest_candidates(positions.numpy(), values.detach().numpy(), k)
-        return torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
+            and positions.dtype == torch.int64 and positions.is_contiguous():
+        found = values.detach().numpy()
+        if kernels.usable(found):
+            kept = kernels.keep_largest_candidates(positions.numpy(), found, k)
+            return torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
+    return largest_among(positions, values, k)
+
+
+def largest_among(positions: torch.Tensor, values: torch.Tensor, k: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """:func:`_finish`'s torch/numpy path: the ``k`` of ``positions`` and ``values`` (each (m,),
+    no NaN in ``values``) of largest ``|values|``, in their order, ties at the k-th the first."""
     chosen = topk_indices(values.abs(), k)
     return positions[chosen], values[chosen]
 
