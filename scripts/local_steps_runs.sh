@@ -53,6 +53,7 @@ SIMS=(
     "topk10-model-q3-h128|diloco:sync_every=128,$W,unsent=model+topk:density=0.1,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=allgather"
     "blocktopk10-c32-model-q3-h64|diloco:sync_every=64,$W,unsent=model+blocktopk:density=0.1,chunk=32,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rle,collective=allgather"
     "blocktopk10-c16-model-q3-h64|diloco:sync_every=64,$W,unsent=model+blocktopk:density=0.1,chunk=16,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rle,collective=allgather"
+    "topk10-model-q3-h64-sar|diloco:sync_every=64,$W,unsent=model+topk:density=0.1,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=sparse-allreduce"
     "randomk3-model-fp16-h32|diloco:sync_every=32,$W,unsent=model+randomk:density=0.03,values=fp16,collective=allreduce"
     "randomblock3-model-fp16-h32|diloco:sync_every=32,$W,unsent=model+randomblock:density=0.03,values=fp16,collective=allreduce"
     "topk10-decay09-fp16|diloco:sync_every=16,$W,decay=0.9,unsent=residual+topk:density=0.1,$TOPK16"

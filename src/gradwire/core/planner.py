@@ -122,13 +122,7 @@ class Planner:
         """The group's k for a second selection: the sum of the sparsifier's per-entry targets
         (the same on every rank); every entry when the sparsifier has no target (threshold)."""
         assert self.sparsifier is not None
-        total = 0
-        for entry in group.entries:
-            target = self.sparsifier.target_k(entry.numel)
-            if target is None:
-                return group.numel
-            total += target
-        return total
+        return target_k(self.sparsifier, group)
 
     def local_size(self) -> int:
         """Ranks per node (1 without ``hierarchy``)."""
@@ -277,3 +271,14 @@ def plan_shard_group(config: ExchangeConfig, sparsifier: Optional[Sparsifier], g
     if sparsifier is None or config.collective == "dense":
         return Plan("dense-reduce-scatter", NO_SELECTION)
     return Plan("sparse-reduce-scatter", SELECT)  # none on a non-finite rank: the pipeline drops it
+
+
+def target_k(sparsifier: Sparsifier, group: Group) -> int:
+    """The sum of ``sparsifier``'s per-entry targets over ``group`` (every entry when it has none)."""
+    total = 0
+    for entry in group.entries:
+        target = sparsifier.target_k(entry.numel)
+        if target is None:
+            return group.numel
+        total += target
+    return total

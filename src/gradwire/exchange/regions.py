@@ -60,18 +60,42 @@ def balanced_boundaries(indices: torch.Tensor, numel: int, group: Optional[dist.
     size = group_size(group)
     if size == 1:
         return [0, numel]
+    votes = boundary_votes(indices, size)
+    allreduce_sum_checked(votes, group, what="balanced_boundaries", collective="all_reduce (cuts)")
+    return boundaries_from_votes(votes, numel, size)
+
+
+def boundary_votes(indices: torch.Tensor, world_size: int) -> torch.Tensor:
+    """One rank's ballot for :func:`balanced_boundaries`: its ``p - 1`` cuts, then 1 for "voted"
+    (all zeros for an empty selection).
+
+    Args:
+        indices: this rank's selected positions, (nnz,) int64, ascending.
+        world_size: p.
+
+    Returns:
+        (p,) int64 on ``indices``' device; the ranks' ballots are summed exactly.
+
+    Raises:
+        ValueError: ``indices`` is not a 1-D int64 tensor.
+    """
     if indices.dtype != torch.int64 or indices.dim() != 1:
         raise ValueError("indices must be a 1-D int64 tensor")
     nnz = indices.numel()
-    votes = torch.zeros(size, dtype=torch.int64, device=indices.device)  # p-1 cuts, then "voted"
+    votes = torch.zeros(world_size, dtype=torch.int64, device=indices.device)
     if nnz:
-        positions = torch.arange(1, size, device=indices.device) * nnz // size
-        votes[: size - 1] = indices[positions]
-        votes[size - 1] = 1
-    allreduce_sum_checked(votes, group, what="balanced_boundaries", collective="all_reduce (cuts)")
-    voters = int(votes[size - 1])
+        positions = torch.arange(1, world_size, device=indices.device) * nnz // world_size
+        votes[: world_size - 1] = indices[positions]
+        votes[world_size - 1] = 1
+    return votes
+
+
+def boundaries_from_votes(votes: torch.Tensor, numel: int, world_size: int) -> list[int]:
+    """The boundaries of the summed ballots (:func:`boundary_votes`): each cut averaged over the
+    ranks that voted; equal regions when none did."""
+    voters = int(votes[world_size - 1])
     if voters == 0:
-        return equal_boundaries(numel, size)
-    cuts = (votes[: size - 1] // voters).clamp(0, numel)
+        return equal_boundaries(numel, world_size)
+    cuts = (votes[: world_size - 1] // voters).clamp(0, numel)
     cuts = torch.cummax(cuts, dim=0).values  # averages of sorted cuts are sorted; guard anyway
     return [0, *[int(c) for c in cuts.tolist()], numel]

@@ -154,7 +154,7 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
             chunks = [from_frame(frame, f"{what}: rank {src}'s frame") for src, frame in enumerate(chunks)]
         pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
                   for src, chunk in enumerate(chunks)]
-        region_indices, sums = _reduce(pieces, device, lengths[me])
+        region_indices, sums = reduce_in_rank_order(pieces, device, lengths[me])
         if not bool(torch.isfinite(sums).all()):
             status = RegionStatus.NONFINITE
     except DecodeError as caught:
@@ -253,7 +253,7 @@ def check_contribution(indices: torch.Tensor, values: torch.Tensor, numel: int) 
 DENSE_REDUCE_RATIO = 8
 
 
-def _reduce(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+def reduce_in_rank_order(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
             length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of the pieces' positions (ascending, in ``[0, length)``) and the sums of their
     values, added in the pieces' order: each piece's positions are distinct, so every addition is

@@ -20,8 +20,9 @@ ways:
   the bytes it counts within 2%. Floating buffers are averaged at each sync as the front-end does.
 
 Strategies: ``dense``, the payload ``allgather`` (also what ``collective="auto"`` runs here: the
-α–β–γ choice needs a link the simulator does not have), the ``allreduce`` of shared supports, and
-``quantize``. The sparse AllReduce's threshold rounds are not replayed (``ValueError``).
+α–β–γ choice needs a link the simulator does not have), the ``sparse-allreduce``
+(:mod:`.sparse_allreduce_sim`), the ``allreduce`` of shared supports, and ``quantize``. The
+hierarchical exchange is not replayed (``ValueError``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..core.frames import FRAME_HEADROOM, FrameSizes
 from ..core.group import Group, check_entries
 from ..core.payload import Part, encode_bucket
 from ..core.pipeline import build_feedback
+from ..core.planner import target_k
 from ..core.selection import Selection
 from ..core.stats import ExchangeStats
 from ..core.strategies.allgather import count_slack
@@ -47,6 +49,7 @@ from ..local_steps.fragments import assign_fragments, fragment_due, layers_of
 from ..local_steps.options import LocalStepsConfig, default_unsent
 from ..local_steps.outer import OuterState, feedback_input, fragment_group, sgd_factory, unsent_to_model
 from .simulate import exact_mean
+from .sparse_allreduce_sim import SimulatedSparseAllReduce
 
 _WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -241,7 +244,8 @@ class SimulatedExchange:
 
     Args:
         config: the exchange's options; ``collective="auto"`` runs the AllGather (or the shared
-            support's AllReduce), ``"sparse-allreduce"`` and ``hierarchy`` are refused.
+            support's AllReduce), ``"sparse-allreduce"`` the replay of :mod:`.sparse_allreduce_sim`;
+            ``hierarchy`` is refused.
         workers: W; worker w's residuals live in ``feedback[w]``.
 
     Raises:
@@ -249,16 +253,16 @@ class SimulatedExchange:
     """
 
     def __init__(self, config: ExchangeConfig, workers: int) -> None:
-        if config.collective == "sparse-allreduce" or config.hierarchy is not None:
-            raise ValueError("the simulator replays dense, allgather, allreduce and quantize exchanges; "
-                             f"collective={config.collective!r} / hierarchy={config.hierarchy!r} needs "
-                             "real ranks (gradwire train)")
+        if config.hierarchy is not None:
+            raise ValueError("the simulator replays dense, allgather, sparse-allreduce, allreduce and quantize "
+                             f"exchanges; hierarchy={config.hierarchy!r} needs real ranks (gradwire train)")
         self.config, self.workers = config, workers
         self.sparsifier = config.build_sparsifier()
         self.feedback = [build_feedback(config) for _ in range(workers)]  # as the core's pipeline builds it
         self.selection = [Selection(self.sparsifier, feedback, config.scope, ExchangeStats())
                           if self.sparsifier is not None else None for feedback in self.feedback]
         self.frames = FrameSizes(headroom=FRAME_HEADROOM + count_slack(self.sparsifier))
+        self.sparse_allreduce = SimulatedSparseAllReduce(config, workers)
 
     def average(self, groups: list[Group], step: int) -> tuple[Tensor, float]:
         """The averaged result of ``groups`` (worker w's is ``groups[w]``; flat float32, what every
@@ -286,6 +290,9 @@ class SimulatedExchange:
             config.collective == "auto" and config.value_codec.name in CAST_VALUE_CODECS))
         if shared:
             return self._shared_support(groups)
+        if config.collective == "sparse-allreduce":
+            assert self.sparsifier is not None
+            return self.sparse_allreduce.average(groups, target_k(self.sparsifier, groups[0]), step, self.feedback)
         return self._allgather(groups)
 
     def _allgather(self, groups: list[Group]) -> tuple[Tensor, float]:

@@ -59,7 +59,7 @@ from ..selection import Selection
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 from .dense import DenseAllReduce
 from .quantized import QuantizedAllReduce
-from .sparse_allreduce import RegionCodecAdapter, SparseAllReduce, _joined
+from .sparse_allreduce import RegionCodecAdapter, SparseAllReduce, joined_contribution
 
 
 class ShardStrategy(ExchangeStrategy):
@@ -295,7 +295,7 @@ class SparseReduceScatter(ShardStrategy):
         context, target = self.context, group.target
         assert isinstance(target, ShardTarget)
         with context.stats.timer("encode"):
-            positions, values = _joined(group)
+            positions, values = joined_contribution(group)
             if not group.finite:  # owner 0 sums a NaN: every rank learns it at the agreement
                 positions = torch.zeros(1, dtype=torch.int64, device=target.device)
                 values = torch.full((1,), math.nan, device=target.device)

@@ -88,7 +88,7 @@ class SparseAllReduce(ExchangeStrategy):
         context = self.context
         k = group.k
         with context.stats.timer("encode"):
-            positions, values = _joined(group)
+            positions, values = joined_contribution(group)
             if not group.finite:  # one NaN entry makes every rank see a non-finite sum, together
                 positions = torch.zeros(1, dtype=torch.int64, device=group.device)
                 values = torch.full((1,), float("nan"), device=group.device)
@@ -111,7 +111,7 @@ class SparseAllReduce(ExchangeStrategy):
         with context.stats.timer("decode"):
             out = averaged_output(group, result.indices, result.values, finite=result.finite)
             if out is not None:
-                _keep_own_share(group, positions, result)
+                keep_own_share(group, positions, result)
                 group.write(out)
 
     def _boundaries(self, group: Group, positions: torch.Tensor) -> list[int]:
@@ -145,7 +145,7 @@ def averaged_output(group: Group, indices: torch.Tensor, values: torch.Tensor, *
     return None
 
 
-def _joined(group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+def joined_contribution(group: Group) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's selections as one ascending sparse contribution over its flat space (float32)."""
     device = group.device
     # entries do not overlap and each one's positions ascend, so joining them in the order of their
@@ -158,7 +158,7 @@ def _joined(group: Group) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, values.to(device=device, dtype=torch.float32)
 
 
-def _keep_own_share(group: Group, positions: torch.Tensor, result: SparseAllreduceResult) -> None:
+def keep_own_share(group: Group, positions: torch.Tensor, result: SparseAllreduceResult) -> None:
     """Per entry: what of this rank's contribution counts as sent (kept where it survived, minus
     the owner's coding error where this rank owns a region), for ``residual = compensated - sent``."""
     sent_positions = positions[result.survived]
