@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 import pytest
 
@@ -217,17 +218,21 @@ def _diloco_resume_run(tmp_path, name: str, steps: int, *extra: str) -> dict:
             "folder": folder}
 
 
-def _fsdp_resume_run(tmp_path, name: str, method: str, steps: int, *extra: str) -> dict:
+def _fsdp_resume_run(tmp_path, name: str, methods: Sequence[str], steps: int, *extra: str) -> dict:
     command = [sys.executable, "-m", "gradwire", "train", "--fsdp", "--model", "gpt",
                "--data", "pystdlib:max_bytes=65536,held_out_bytes=4096", "--optimizer", "adamw", "--workers", "2",
-               "--batch-size", "4", "--steps", str(steps), "--warmup-steps", "1", "--no-eval", "--method", method,
+               "--batch-size", "4", "--steps", str(steps), "--warmup-steps", "1", "--no-eval",
+               *[arg for method in methods for arg in ("--method", method)],
                "--checkpoint-dir", str(tmp_path / "ckpt" / name), "--timeout", "120", *extra]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    final = tmp_path / "ckpt" / name / file_slug(method) / f"step-{steps:06d}"
     import torch
 
-    return {"stderr": result.stderr, "ranks": [torch.load(final / f"rank{r}.pt", weights_only=True) for r in (0, 1)]}
+    ranks = {}
+    for method in methods:
+        final = tmp_path / "ckpt" / name / file_slug(method) / f"step-{steps:06d}"
+        ranks[method] = [torch.load(final / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    return {"stderr": result.stderr, "ranks": ranks}
 
 
 def _same(a, b) -> bool:
@@ -243,23 +248,27 @@ def _same(a, b) -> bool:
     return a == b
 
 
+FSDP_RESUME_METHODS = ("allreduce", "topk:density=0.1,indices=rice,warmup_steps=2,momentum=0.9")
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["allreduce", "topk:density=0.1,indices=rice,warmup_steps=2,momentum=0.9"])
-def test_train_checkpoint_dir_resumes_an_fsdp2_run_exactly(tmp_path, method: str) -> None:
+def test_train_checkpoint_dir_resumes_an_fsdp2_run_exactly(tmp_path) -> None:
     """Each rank's file holds its own shards (parameters, AdamW's or MomentumAdamW's state) and its
     gradwire state (residuals, momentum bases); a run stopped at step 3 and resumed ends at step 6
-    bit for bit where one run of 6 steps ends."""
-    straight = _fsdp_resume_run(tmp_path, "straight", method, 6)
-    _fsdp_resume_run(tmp_path, "resumed", method, 3, "--checkpoint-every", "3")
+    bit for bit where one run of 6 steps ends. Plain FSDP2 and top-k with momentum, both methods in
+    each launch (each has its own folder under the checkpoint directory)."""
+    straight = _fsdp_resume_run(tmp_path, "straight", FSDP_RESUME_METHODS, 6)
+    _fsdp_resume_run(tmp_path, "resumed", FSDP_RESUME_METHODS, 3, "--checkpoint-every", "3")
     (tmp_path / "ckpt" / "resumed-again").symlink_to(tmp_path / "ckpt" / "resumed")
-    resumed = _fsdp_resume_run(tmp_path, "resumed-again", method, 6, "--checkpoint-every", "3")
-    assert "resumed from the checkpoint of step 3" in resumed["stderr"]
-    for reference, mine in zip(straight["ranks"], resumed["ranks"]):
-        assert reference["model"] and _same(mine["model"], reference["model"])
-        assert _same(mine["optimizer"]["state"], reference["optimizer"]["state"])
-        assert _same(mine["hook"], reference["hook"])
-    assert not _same(straight["ranks"][0]["model"], straight["ranks"][1]["model"])  # shards, not copies
+    resumed = _fsdp_resume_run(tmp_path, "resumed-again", FSDP_RESUME_METHODS, 6, "--checkpoint-every", "3")
+    assert resumed["stderr"].count("resumed from the checkpoint of step 3") == len(FSDP_RESUME_METHODS)
+    for method in FSDP_RESUME_METHODS:
+        for reference, mine in zip(straight["ranks"][method], resumed["ranks"][method]):
+            assert reference["model"] and _same(mine["model"], reference["model"]), method
+            assert _same(mine["optimizer"]["state"], reference["optimizer"]["state"]), method
+            assert _same(mine["hook"], reference["hook"]), method
+        assert not _same(straight["ranks"][method][0]["model"], straight["ranks"][method][1]["model"])  # shards
 
 
 RESUME_METHOD = "diloco:sync_every=4,warmup_steps=2+topk:density=0.1,collective=allgather"

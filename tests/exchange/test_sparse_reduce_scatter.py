@@ -212,6 +212,6 @@ def test_the_owners_sum_adds_in_rank_order_whichever_way_it_reduces(monkeypatch,
     pieces = [(torch.tensor([3, 5]), torch.tensor([1.0, -0.0])),
               (torch.tensor([0, 3]), torch.tensor([2.5, 1e8])),
               (torch.tensor([3, 9]), torch.tensor([-1e8, 4.0]))]
-    positions, sums = module._reduce(pieces, torch.device("cpu"), 10)
+    positions, sums = module.reduce_in_rank_order(pieces, torch.device("cpu"), 10)
     assert positions.tolist() == [0, 3, 5, 9]
     assert torch.equal(sums.view(torch.int32), torch.tensor([2.5, 0.0, 0.0, 4.0]).view(torch.int32))
