@@ -254,7 +254,7 @@ DENSE_REDUCE_RATIO = 8
 
 
 def reduce_in_rank_order(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-            length: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of the pieces' positions (ascending, in ``[0, length)``) and the sums of their
     values, added in the pieces' order: each piece's positions are distinct, so every addition is
     a plain, ordered read-add-write, ``((0 + v_0) + v_1) + ...`` for every position, the same bits

@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 
 from ..core.config import ExchangeConfig
+from ..core.feedback import ErrorFeedback
 from ..core.group import Group
 from ..core.strategies.sparse_allreduce import (REGION_REFRESH_STEPS, RegionCodecAdapter, averaged_output,
                                                 joined_contribution, keep_own_share)
-from ..core.feedback import ErrorFeedback
 from ..exchange.checked import exact_allreduce_bytes
 from ..exchange.region_payload import decode_region, encode_region, is_wide
 from ..exchange.regions import boundaries_from_votes, boundary_votes
@@ -80,6 +80,7 @@ class SimulatedSparseAllReduce:
         Raises:
             FloatingPointError: a sum is NaN or Inf (every real rank would skip the round).
         """
+        # 1. each worker's contribution; the regions from the summed ballots
         p, numel = self.workers, groups[0].numel
         contributions = [joined_contribution(group) for group in groups]
         signature = groups[0].signature()
