@@ -79,7 +79,7 @@ from .region_payload import RegionCodec, decode_region, encode_region, is_wide
 from .regions import check_boundaries
 from .sparse_reduce_scatter import RegionStatus, read_status_words, sparse_reduce_scatter, status_words
 
-__all__ = ["RegionCodec", "SparseAllreduceResult", "positions_in", "sparse_allreduce"]
+__all__ = ["RegionCodec", "SparseAllreduceResult", "coding_carry", "positions_in", "sparse_allreduce"]
 
 WHAT = "sparse_allreduce"
 
@@ -222,11 +222,18 @@ def sparse_allreduce(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
     carry_indices = torch.empty(0, dtype=torch.int64, device=device)
     carry_values = torch.empty(0, dtype=torch.float32, device=device)
     if codec is not None:
-        changed = own_applied != kept_sums
-        carry_indices = kept_indices[changed] + scattered.start
-        carry_values = (kept_sums - own_applied)[changed]
+        carry_indices, carry_values = coding_carry(kept_indices, kept_sums, own_applied, scattered.start)
     return SparseAllreduceResult(result_indices, result_values, positions_in(indices, result_indices),
                                  scattered.contributed, carry_indices, carry_values, search.threshold, True, sent)
+
+
+def coding_carry(kept: torch.Tensor, sums: torch.Tensor, applied: torch.Tensor,
+                 start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An owner's re-coding error (the module docstring's ``carry``): where the decoded survivors
+    ``applied`` differ from the ``sums`` it coded, those flat positions (``kept`` relative to the
+    region's ``start``) and ``sums - applied`` there."""
+    changed = applied != sums
+    return kept[changed] + start, (sums - applied)[changed]
 
 
 def _allreduce(words: torch.Tensor, group: Optional[dist.ProcessGroup], level: int,

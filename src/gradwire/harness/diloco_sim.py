@@ -262,7 +262,8 @@ class SimulatedExchange:
         self.selection = [Selection(self.sparsifier, feedback, config.scope, ExchangeStats())
                           if self.sparsifier is not None else None for feedback in self.feedback]
         self.frames = FrameSizes(headroom=FRAME_HEADROOM + count_slack(self.sparsifier))
-        self.sparse_allreduce = SimulatedSparseAllReduce(config, workers)
+        self.sparse_allreduce = (SimulatedSparseAllReduce(config, workers)
+                                 if config.collective == "sparse-allreduce" else None)
 
     def average(self, groups: list[Group], step: int) -> tuple[Tensor, float]:
         """The averaged result of ``groups`` (worker w's is ``groups[w]``; flat float32, what every
@@ -290,7 +291,7 @@ class SimulatedExchange:
             config.collective == "auto" and config.value_codec.name in CAST_VALUE_CODECS))
         if shared:
             return self._shared_support(groups)
-        if config.collective == "sparse-allreduce":
+        if self.sparse_allreduce is not None:
             assert self.sparsifier is not None
             return self.sparse_allreduce.average(groups, target_k(self.sparsifier, groups[0]), step, self.feedback)
         return self._allgather(groups)

@@ -43,7 +43,7 @@ from ..core.strategies.sparse_allreduce import (REGION_REFRESH_STEPS, RegionCode
 from ..exchange.checked import exact_allreduce_bytes
 from ..exchange.region_payload import decode_region, encode_region, is_wide
 from ..exchange.regions import boundaries_from_votes, boundary_votes
-from ..exchange.sparse_allreduce import SparseAllreduceResult, positions_in
+from ..exchange.sparse_allreduce import SparseAllreduceResult, coding_carry, positions_in
 from ..exchange.sparse_reduce_scatter import RegionStatus, reduce_in_rank_order, status_words
 from ..exchange.threshold_search import ThresholdSearch, count_dtype, magnitude_keys
 
@@ -116,7 +116,7 @@ class SimulatedSparseAllReduce:
             counts = [search.local_counts(owner_keys) for owner_keys in keys]
             words = counts[0].numel() + (head if search.level == 0 else 0)
             for worker in range(p):
-                sent[worker] += exact_allreduce_bytes(words, torch.empty((), dtype=dtype).element_size(), worker, p)
+                sent[worker] += exact_allreduce_bytes(words, dtype.itemsize, worker, p)
             search = search.refine(torch.stack(counts).sum(0))
         self._thresholds[signature] = search.threshold
 
@@ -130,8 +130,7 @@ class SimulatedSparseAllReduce:
             relative, applied = decode_region(self.codec, data, lengths[owner], wide, "simulated region")
             out_indices.append(relative + bounds[owner])
             out_values.append(applied)
-            changed = applied != kept_sums
-            carries.append((kept[changed] + bounds[owner], (kept_sums - applied)[changed]))
+            carries.append(coding_carry(kept, kept_sums, applied, bounds[owner]))
         indices, values = torch.cat(out_indices), torch.cat(out_values)
 
         # 5. each worker's share of what survived, into its residuals as the core's round keeps them
