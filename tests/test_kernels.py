@@ -103,6 +103,31 @@ def test_topk_native_and_numpy_paths_agree(monkeypatch: pytest.MonkeyPatch, with
     assert torch.equal(topk.largest_magnitudes(numpy_out, k), reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_the_native_sample_equals_torchs(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                         with_residual: bool) -> None:
+    """The threshold's sample: the same float32 magnitudes (NaN as -1, infinities and a float64
+    sum that overflows float32 kept) natively and through torch's calls, for strides that do and
+    do not divide the size."""
+    generator = torch.Generator().manual_seed(5)
+    grad = torch.randn(10_007, generator=generator, dtype=dtype)
+    grad[1::89] = float("nan")
+    grad[3::97] = float("inf")
+    grad[11::101] = -float("inf")
+    if dtype == torch.float64:
+        grad[13::103] = 1e300  # |x| overflows float32: inf in both
+    residual = torch.randn(10_007, generator=generator, dtype=dtype) if with_residual else None
+    for stride in (1, 7, 10_007, 20_000):
+        native = topk._sample_magnitudes(grad, residual, dtype, stride)
+        assert native.dtype == torch.float32 and native.numel() == -(-10_007 // stride)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "_kernels", lambda: None)
+            reference = topk._sample_magnitudes(grad, residual, dtype, stride)
+        assert torch.equal(native, reference), stride
+        assert (native == -1.0).any() == (stride in (1, 7))  # 1 + 89 * 4 = 357 = 7 * 51; position 0 is a number
+
+
 def test_environment_switch_turns_the_kernels_off() -> None:
     env = {**os.environ, "GRADWIRE_NATIVE": "0"}
     code = "from gradwire import kernels; print(kernels.available())"

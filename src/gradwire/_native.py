@@ -102,6 +102,24 @@ def scan(source: np.ndarray, limit: float, positions: np.ndarray, values: np.nda
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
+def sample_magnitudes(grad: np.ndarray, residual: np.ndarray, add: bool, stride: int, out: np.ndarray) -> None:
+    # out[i] = float32(|grad[i * stride] (+ residual[i * stride])|), NaN as -1 and infinity as
+    # float32's largest (what torch's nan_to_num(nan=-1) leaves): the strided loads
+    # are independent, so their cache misses overlap (torch's gather, add, abs, cast and
+    # nan_to_num over the sample are five calls, and each strided gather misses on its own)
+    for i in range(out.size):
+        x = grad[i * stride]
+        if add:
+            x = x + residual[i * stride]
+        magnitude = np.float32(abs(x))
+        if magnitude != magnitude:
+            magnitude = np.float32(-1.0)
+        elif magnitude == np.inf:
+            magnitude = np.float32(3.4028234663852886e38)
+        out[i] = magnitude
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
 def append_ones(bits: np.uint64, base: int, quotients: np.ndarray, found: int, last: int) -> tuple:
     """For each set bit of ``bits`` (bit j at stream position ``base + j``) until ``quotients``
     is full: the zeros since the previous one. Returns (found, the last one's position)."""

@@ -106,6 +106,29 @@ def scan(values: np.ndarray, limit: Any, capacity: int) -> Scan:
     return _found(found, positions, found_values, finite, nonzero)
 
 
+def sample_magnitudes(grad: np.ndarray, residual: Optional[np.ndarray], stride: int) -> np.ndarray:
+    """The threshold's sample of ``|grad + residual|`` (``|grad|`` when ``residual`` is None)
+    at every ``stride``-th element, as float32 with NaN as -1 and infinity as float32's largest
+    value, in one call: what
+    ``(grad[::stride] + residual[::stride]).abs().float().nan_to_num_(nan=-1.0)`` gives.
+
+    Args:
+        grad: (n,) contiguous float32/float64, ``n >= 1``; ``residual`` the same dtype and size.
+        residual: (n,) or None.
+        stride: ``>= 1``.
+
+    Returns:
+        (ceil(n / stride),) float32, a new array.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    native = _require()
+    out = np.empty(-(-grad.size // stride), dtype=np.float32)
+    native.sample_magnitudes(grad, grad if residual is None else residual, residual is not None, stride, out)
+    return out
+
+
 def _require() -> ModuleType:
     native = _kernels()
     if native is None:

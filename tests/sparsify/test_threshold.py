@@ -24,6 +24,24 @@ def test_representable_at_least_is_the_smallest_value_not_below(dtype: torch.dty
     assert representable_at_least(1e6, torch.float16) == math.inf
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_representable_at_least_in_numpy_rounds_as_torch_does(dtype: torch.dtype) -> None:
+    # the numpy scalars' path (the dtypes numpy has) against torch's rounding and nextafter
+    def by_torch(t: float) -> float:
+        exact = torch.tensor(t, dtype=torch.float64)
+        rounded = exact.to(dtype)
+        if rounded.double() < exact:
+            rounded = torch.nextafter(rounded, torch.tensor(math.inf, dtype=dtype))
+        return float(rounded)
+
+    generator = torch.Generator().manual_seed(3)
+    magnitudes = torch.exp(torch.empty(2000, dtype=torch.float64).uniform_(-60.0, 60.0, generator=generator))
+    finfo = torch.finfo(dtype)
+    edges = [0.0, 1e-45, float(finfo.tiny), float(finfo.max), float(finfo.max) * (1 + 1e-9), 1e300, math.inf]
+    for t in [*magnitudes.tolist(), *edges]:
+        assert representable_at_least(t, dtype) == by_torch(t), t
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_threshold_is_exact_at_the_boundary(dtype: torch.dtype) -> None:
     t = 0.1  # not representable in any of these dtypes

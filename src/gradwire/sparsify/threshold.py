@@ -50,6 +50,13 @@ def representable_at_least(threshold: float, dtype: torch.dtype) -> float:
     downwards; comparing with this value instead makes ``|x| >= threshold`` exact for every ``x``
     of ``dtype``.
     """
+    numpy_dtype = NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is not None:  # the same IEEE rounding in numpy scalars: about 2 us, torch's four ops 40-80
+        with np.errstate(over="ignore"):
+            nearest = numpy_dtype(threshold)
+            if float(nearest) < threshold:
+                nearest = np.nextafter(nearest, numpy_dtype(np.inf))
+        return float(nearest)
     exact = torch.tensor(threshold, dtype=torch.float64)
     rounded = exact.to(dtype)
     if rounded.double() < exact:

@@ -112,7 +112,7 @@ def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     # would sync twice per tensor (the threshold, the candidates' count)
     if flat.device.type != "cpu" or numel < SCAN_MIN_NUMEL or k > SCAN_MAX_DENSITY * numel:
         return topk_indices(_magnitudes_nan_last(flat), k)
-    found = _scan_from_sample(flat[:: sample_stride(numel)], numel, k,
+    found = _scan_from_sample(_sample_magnitudes(flat, None, flat.dtype, sample_stride(numel)), numel, k,
                               lambda threshold, capacity: _scan(flat, threshold, capacity))
     if found is not None:
         return _finish(flat, found, k)[0]
@@ -152,10 +152,7 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
             return indices
         _compensate_into(grad, residual, out)
         return largest_magnitudes(out, k)
-    stride = sample_stride(numel)
-    sample = grad[::stride].to(out.dtype)
-    if residual is not None:
-        sample = sample + residual[::stride]
+    sample = _sample_magnitudes(grad.reshape(-1), residual, out.dtype, sample_stride(numel))
     state = {"compensated": False}
 
     def scan(threshold: float, capacity: int) -> torch.Tensor:
@@ -178,12 +175,29 @@ def compensated_largest_magnitudes(grad: torch.Tensor, residual: Optional[torch.
 Candidates = "tuple[torch.Tensor, Optional[torch.Tensor]]"
 
 
+def _sample_magnitudes(flat: torch.Tensor, residual: Optional[torch.Tensor], dtype: torch.dtype,
+                       stride: int) -> torch.Tensor:
+    """``|flat + residual|`` (``|flat|`` without a residual; the sum in ``dtype``) at every
+    ``stride``-th element as float32, NaN as -1 and infinity as float32's largest value
+    (``nan_to_num``): the threshold's sample. One native call where
+    the kernels take the arrays (0.1 ms less per large tensor here than torch's five calls)."""
+    if flat.device.type == "cpu" and flat.dtype == dtype and flat.dim() == 1 \
+            and (residual is None or residual.dtype == dtype):
+        arrays = (flat.detach().numpy(), None if residual is None else residual.detach().numpy())
+        if kernels.usable(*arrays):
+            return torch.from_numpy(kernels.sample_magnitudes(arrays[0], arrays[1], stride))
+    sample = flat[::stride].to(dtype)
+    if residual is not None:
+        sample = sample + residual[::stride]
+    return sample.abs().float().nan_to_num_(nan=-1.0)
+
+
 def _scan_from_sample(sample: torch.Tensor, numel: int, k: int, scan) -> "Optional[Candidates]":
     """Candidates (ascending positions with ``|x| >= t``, at least ``k`` of them, and their values
-    when the scan read them, else None) for a threshold ``t`` read off an evenly spaced
-    ``sample``, lowered until enough pass; None when the sample says a scan would keep nearly
+    when the scan read them, else None) for a threshold ``t`` read off ``sample``, the
+    magnitudes at evenly spaced positions (float32, no NaN; :func:`_sample_magnitudes`),
+    lowered until enough pass; None when the sample says a scan would keep nearly
     everything (pick over everything instead)."""
-    sample = sample.abs().float().nan_to_num_(nan=-1.0)
     size = sample.numel()
     values = sample.numpy() if sample.device.type == "cpu" else None
     # Expected k*size/numel sample elements lie above the true k-th magnitude; aim for a rank
