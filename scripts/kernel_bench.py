@@ -4,8 +4,11 @@
 
 Prints ms per call (medians of R calls after one untimed): torch.add(a, b, out=c) (the floor),
 compensate_scan with and without the threshold test, with the zeroing of the gradient, scan, and
-the dense path's divide_and_hash (by 3, a division; by 4, a multiplication) next to torch's div_;
-random normal float32 data, the threshold at the (1 - F) quantile of |grad + residual|
+the dense path's divide_and_hash (by 3, a division; by 4, a multiplication) next to torch's div_,
+the error-feedback scatter add_at at the candidates' fraction of sorted random positions next to
+torch's index_add_, and the threshold's strided sample (sample_magnitudes; the scattered rows with
+the caches flushed before each call, as a step finds them); random normal float32 data, the
+threshold at the (1 - F) quantile of |grad + residual|
 (F = 0.015: top-k 1% and its sampled threshold's margin). Defaults: ResNet-18's 11,173,834 elements.
 """
 
@@ -15,16 +18,18 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 
-def _median_ms(call: Callable[[], object], repeats: int) -> float:
+def _median_ms(call: Callable[[], object], repeats: int, before: Optional[Callable[[], object]] = None) -> float:
     call()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         call()
         samples.append(time.perf_counter() - start)
@@ -40,6 +45,7 @@ def main() -> int:
     torch.set_num_threads(1)
     try:
         from gradwire import _native
+        from gradwire.sparsify.topk import sample_stride
     except ImportError:
         print("numba is not installed (pip install -e '.[fast]')", file=sys.stderr)
         return 2
@@ -68,10 +74,26 @@ def main() -> int:
         ("divide_and_hash, by 4 (a multiplication)", lambda: _native.divide_and_hash(
             out, words, np.float32(4.0), np.float32(0.25), lanes, True)),
     ]
+    flush = np.empty(4 * args.numel, dtype=np.float32)  # 4x the gradient's bytes: evicts it from every cache
+    scattered = np.sort(rng.choice(args.numel, int(args.numel * args.candidates), replace=False)).astype(np.int64)
+    sent = rng.standard_normal(scattered.size).astype(np.float32)
+    target, where, what = torch.from_numpy(residual), torch.from_numpy(scattered), torch.from_numpy(sent)
+    cold = [
+        ("add_at (scatter, flushed)", lambda: _native.add_at(residual, scattered, sent, 1.0)),
+        ("torch index_add_ (the same, flushed)", lambda: target.index_add_(0, where, what)),
+    ]
+    if hasattr(_native, "sample_magnitudes"):  # not in a tree before it (a worktree through PYTHONPATH)
+        stride = sample_stride(args.numel)
+        sample = np.empty(-(-args.numel // stride), dtype=np.float32)
+        cold.append((f"sample_magnitudes ({sample.size:,}, flushed)",
+                     lambda: _native.sample_magnitudes(grad, residual, True, stride, sample)))
     found = _native.compensate_scan(grad, residual, out, limit, positions, values, False, True)[0]
     print(f"{args.numel:,} float32, {found:,} at or above the threshold, 1 thread, medians of {args.repeats}")
     for name, call in rows:
         print(f"{name:40s} {_median_ms(call, args.repeats):7.2f} ms")
+    print(f"{scattered.size:,} sorted positions scattered")
+    for name, call in cold:
+        print(f"{name:40s} {_median_ms(call, args.repeats, before=lambda: flush.fill(1.0)):7.2f} ms")
     return 0
 
 

@@ -103,6 +103,41 @@ def test_topk_native_and_numpy_paths_agree(monkeypatch: pytest.MonkeyPatch, with
     assert torch.equal(topk.largest_magnitudes(numpy_out, k), reference)
 
 
+def test_the_scattered_loops_get_the_prefetch_hint() -> None:
+    # without it the kernels still give the same results, only slower: a numba that silently
+    # stopped emitting llvm.prefetch would show nowhere else
+    from gradwire import _prefetch
+
+    assert _prefetch.EMITTED
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_native_scatter_equals_index_add(dtype: type) -> None:
+    rng = np.random.default_rng(7)
+    target = rng.standard_normal(50_000).astype(dtype)
+    # sorted like a selection's, with repeats (they accumulate in order), many more than AHEAD
+    positions = np.sort(rng.integers(0, target.size, 9_000)).astype(np.int64)
+    values = rng.standard_normal(positions.size).astype(dtype)
+    expected = torch.from_numpy(target.copy()).index_add_(0, torch.from_numpy(positions),
+                                                          torch.from_numpy(values), alpha=-1.0)
+    assert kernels.add_at(target, positions, values, alpha=-1.0) is True
+    assert torch.equal(torch.from_numpy(target), expected)
+    values[4_321] = np.inf
+    assert kernels.add_at(target, positions, values) is False
+
+
+@pytest.mark.parametrize("where", [0, 4_000, 8_999])
+def test_the_native_scatter_refuses_a_position_outside(where: int) -> None:
+    # a hostile position is prefetched AHEAD iterations before the check reaches it: a prefetch
+    # never faults, so the call still ends in the IndexError, wherever the position lies
+    target = np.zeros(10_000, dtype=np.float32)
+    positions = np.arange(9_000, dtype=np.int64)
+    positions[where] = (1 << 62) if where % 2 == 0 else -(1 << 62)
+    with pytest.raises(IndexError, match="outside"):
+        kernels.add_at(target, positions, np.ones(positions.size, dtype=np.float32))
+    assert not target[where:].any()  # it stopped at the position: nothing written from there on
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_the_native_sample_equals_torchs(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,

@@ -13,14 +13,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gradwire"
 #: and within its own layer only what SAME_LAYER allows (codecs, sparsify, exchange and lowrank
 #: never import each other).
 LAYERS = (
-    ("leaves", {"errors", "sparse", "configurable", "tables", "lifetime", "kernels", "_native"}),
+    ("leaves", {"errors", "sparse", "configurable", "tables", "lifetime", "kernels", "_native", "_prefetch"}),
     ("parts", {"codecs", "sparsify", "exchange", "lowrank"}),
     ("core", {"core"}),
     ("front-ends", {"ddp", "hook", "tensors", "fsdp", "local_steps", "integrations"}),
     ("harness", {"harness"}),
     ("commands", {"cli", "bench", "cluster"}),
 )
-SAME_LAYER = {("configurable", "errors"), ("lifetime", "errors"), ("kernels", "_native"),
+SAME_LAYER = {("configurable", "errors"), ("lifetime", "errors"), ("kernels", "_native"), ("_native", "_prefetch"),
               ("hook", "ddp"), ("ddp", "fsdp"), ("tensors", "fsdp"),
               ("integrations", "ddp"), ("integrations", "fsdp"), ("local_steps", "tensors"), ("cli", "cluster"),
               ("bench", "cli"), ("bench", "cluster")}

@@ -13,6 +13,8 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+from ._prefetch import AHEAD, prefetch_read, prefetch_write
+
 #: elements per block of the vectorized loops: one bit each in a uint64 mask (a constant: numba
 #: freezes module globals)
 BLOCK = 64
@@ -104,10 +106,14 @@ def scan(source: np.ndarray, limit: float, positions: np.ndarray, values: np.nda
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def sample_magnitudes(grad: np.ndarray, residual: np.ndarray, add: bool, stride: int, out: np.ndarray) -> None:
     # out[i] = float32(|grad[i * stride] (+ residual[i * stride])|), NaN as -1 and infinity as
-    # float32's largest (what torch's nan_to_num(nan=-1) leaves): the strided loads
-    # are independent, so their cache misses overlap (torch's gather, add, abs, cast and
-    # nan_to_num over the sample are five calls, and each strided gather misses on its own)
-    for i in range(out.size):
+    # float32's largest (what torch's nan_to_num(nan=-1) leaves), in one call where torch's
+    # gather, add, abs, cast and nan_to_num over the sample are five
+    count = out.size
+    for i in range(count):
+        if i + AHEAD < count:  # every strided load misses the cache: ask for a later one now
+            prefetch_read(grad, (i + AHEAD) * stride)
+            if add:
+                prefetch_read(residual, (i + AHEAD) * stride)
         x = grad[i * stride]
         if add:
             x = x + residual[i * stride]
@@ -342,7 +348,10 @@ def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha:
     one is not, -1 (having stopped there) at a position outside ``target``."""
     n = target.size
     finite = True
-    for i in range(positions.size):
+    count = positions.size
+    for i in range(count):
+        if i + AHEAD < count:  # each position misses the cache: ask for a later one now (_prefetch)
+            prefetch_write(target, positions[i + AHEAD])
         position = positions[i]
         if position < 0 or position >= n:  # a predictable branch: checking costs nothing here
             return -1

@@ -388,9 +388,11 @@ def compensate_and_top_pieces(source: np.ndarray, *, starts: np.ndarray, lengths
 
 def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha: float = 1.0) -> bool:
     """``target[positions] += alpha * values`` (repeated positions accumulate in order, as
-    ``index_add_``), in one native loop: about half of ``index_add_``'s time for a scatter over a
-    tensor larger than the cache (0.77 ms against 1.73 for 112k positions in 11.2M float32),
-    whose cost is a cache miss per position, overlapped better by the simpler loop.
+    ``index_add_``), in one native loop that asks for the position 64 ahead (``_prefetch``): a
+    scatter over a tensor larger than the cache costs a cache miss per position, and the hint
+    keeps many in flight (167k positions in 11.2M float32, caches flushed: 1.88 ms against 2.10
+    for ``index_add_`` and 2.69 for the loop without it, ``scripts/kernel_bench.py``; on an
+    earlier machine the plain loop took 0.77 ms against 1.73).
 
     Args:
         target: (n,) contiguous float32/float64, modified in place.

@@ -2,8 +2,8 @@
 
 Two scatters run every step over tensors larger than the cache: the error-feedback update
 (``residual[indices] -= sent``) and the AllGather's sum of every rank's values into the bucket.
-Their cost is a cache miss per position; the kernel's plain loop overlaps those misses better
-than ``index_add_`` (about half the time here, see :func:`gradwire.kernels.add_at`) and reports
+Their cost is a cache miss per position; the kernel's loop, which prefetches positions ahead,
+overlaps those misses better than ``index_add_`` (see :func:`gradwire.kernels.add_at`) and reports
 on the way whether the values it wrote are finite, which the sum needs checked anyway.
 """
 
