@@ -349,10 +349,14 @@ class SimulatedExchange:
     def _quantized(self, groups: list[Group]) -> tuple[Tensor, float]:
         """``QuantizedAllReduce`` (:mod:`gradwire.exchange.quantized`): each worker's chunks quantized,
         owner j's float32 sum in rank order, re-quantized, applied by everyone as decoded."""
-        p, numel = self.workers, groups[0].numel
         bits, block = QUANTIZE_BITS[self.config.quantize], self.config.quantize_block
-        chunk = math.ceil(numel / p)
-        locals_, errors = [], []
+        applied, errors, nbytes = replay_quantized_allreduce(self.compensated(groups), bits, block)
+        self.keep_residuals(groups, errors)
+        return applied.div_(self.workers), nbytes
+
+    def compensated(self, groups: list[Group]) -> list[Tensor]:
+        """Per worker, its group's flat gradient plus its residuals (float32 copies)."""
+        flats = []
         for worker, group in enumerate(groups):
             flat = group.flat_gradient().to(torch.float32, copy=True)
             feedback = self.feedback[worker]
@@ -361,27 +365,53 @@ class SimulatedExchange:
                     residual = feedback.residual(entry.key)
                     if residual is not None:
                         flat[entry.offset: entry.offset + entry.numel] += residual
-            padded = torch.nn.functional.pad(flat, (0, p * chunk - numel)).reshape(p, chunk)
-            _, local = roundtrip(padded, bits=bits, block_size=block)
-            locals_.append(local)
-            errors.append(padded - local)
-        applied = torch.zeros(p, chunk)
-        for owner in range(p):
-            shard = locals_[0][owner].clone()
-            for source in range(1, p):
-                shard += locals_[source][owner]
-            _, requantized = roundtrip(shard, bits=bits, block_size=block)
-            errors[owner][owner] += shard - requantized
-            applied[owner] = requantized
+            flats.append(flat)
+        return flats
+
+    def keep_residuals(self, groups: list[Group], residuals: list[Tensor]) -> None:
+        """Worker w's residuals := ``residuals[w]`` (flat, its group's space), per used entry."""
         for worker, group in enumerate(groups):
             feedback = self.feedback[worker]
             if feedback is None:
                 continue
-            residual = errors[worker].reshape(-1)[:numel]
             for entry in group.entries:
                 if not entry.unused:
-                    feedback.replace(entry.key, residual[entry.offset: entry.offset + entry.numel].clone())
-        return applied.reshape(-1)[:numel].div_(p), 2.0 * (p - 1) * quantized_bytes(chunk, bits, block)
+                    feedback.replace(entry.key, residuals[worker][entry.offset: entry.offset + entry.numel].clone())
+
+
+def replay_quantized_allreduce(inputs: list[Tensor], bits: int, block: int) -> tuple[Tensor, list[Tensor], float]:
+    """``QuantizedAllReduce`` (:mod:`gradwire.exchange.quantized`) over W workers' vectors, in one process.
+
+    Each worker's ``p`` chunks quantized, owner j's float32 sum of chunk j in rank order,
+    re-quantized; every rank applies the re-quantized sums as decoded.
+
+    Args:
+        inputs: per worker, (n,) float32, the same n.
+        bits: the codec's bits per value (``QUANTIZE_BITS``); block: values per scale.
+
+    Returns:
+        The sum every rank applies (n,) float32 (not yet divided by W); per worker what it did not
+        send, (n,) float32 (its quantization error, plus the owner's re-quantization error on the
+        chunk it owns); the bytes one worker sends.
+    """
+    p, numel = len(inputs), inputs[0].numel()
+    chunk = math.ceil(numel / p)
+    locals_, errors = [], []
+    for flat in inputs:
+        padded = torch.nn.functional.pad(flat, (0, p * chunk - numel)).reshape(p, chunk)
+        _, local = roundtrip(padded, bits=bits, block_size=block)
+        locals_.append(local)
+        errors.append(padded - local)
+    applied = torch.zeros(p, chunk)
+    for owner in range(p):
+        shard = locals_[0][owner].clone()
+        for source in range(1, p):
+            shard += locals_[source][owner]
+        _, requantized = roundtrip(shard, bits=bits, block_size=block)
+        errors[owner][owner] += shard - requantized
+        applied[owner] = requantized
+    return (applied.reshape(-1)[:numel], [error.reshape(-1)[:numel] for error in errors],
+            2.0 * (p - 1) * quantized_bytes(chunk, bits, block))
 
 
 class SimulatedHook:
