@@ -163,6 +163,33 @@ def test_the_native_sample_equals_torchs(monkeypatch: pytest.MonkeyPatch, dtype:
         assert (native == -1.0).any() == (stride in (1, 7))  # 1 + 89 * 4 = 357 = 7 * 51; position 0 is a number
 
 
+def test_native_flat_positions_equal_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwire.core.group import flat_positions
+
+    generator = torch.Generator().manual_seed(3)
+    sizes = [0, 1, 5, 0, 700, 3, 64, 65, 1]  # empty entries, one-element ones, a block and a half
+    indices = [torch.sort(torch.randperm(max(size * 3, 1), generator=generator)[:size]).values for size in sizes]
+    offsets = torch.cumsum(torch.tensor([0] + [size * 3 for size in sizes[:-1]]), 0).tolist()
+    before = [i.clone() for i in indices]
+    native = flat_positions(indices, offsets)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "_kernels", lambda: None)
+        reference = flat_positions(indices, offsets)
+    assert native.dtype == torch.int64 and torch.equal(native, reference)
+    assert all(torch.equal(i, j) for i, j in zip(indices, before))  # shifted in the concatenation, not in place
+    single = flat_positions([indices[4]], [offsets[4]])  # one entry: the copy is still a copy
+    assert torch.equal(single, indices[4] + offsets[4]) and torch.equal(indices[4], before[4])
+
+
+def test_shift_segments_refuses_counts_that_do_not_cover_the_values() -> None:
+    values = np.arange(5, dtype=np.int64)
+    with pytest.raises(ValueError, match="counts"):
+        kernels.shift_segments(values, np.array([2, 2], dtype=np.int64), np.array([1, 1], dtype=np.int64))
+    with pytest.raises(ValueError, match="counts"):
+        kernels.shift_segments(values, np.array([6, -1], dtype=np.int64), np.array([1, 1], dtype=np.int64))
+    assert values.tolist() == [0, 1, 2, 3, 4]
+
+
 def test_environment_switch_turns_the_kernels_off() -> None:
     env = {**os.environ, "GRADWIRE_NATIVE": "0"}
     code = "from gradwire import kernels; print(kernels.available())"

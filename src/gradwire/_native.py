@@ -316,6 +316,18 @@ def compensate_check_segments(grad: np.ndarray, residual: np.ndarray, add: np.nd
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
+def shift_segments(values: np.ndarray, counts: np.ndarray, shifts: np.ndarray) -> None:
+    # values[start_j : start_j + counts[j]] += shifts[j], segments end to end, in place: one pass
+    # where torch's repeat_interleave writes the shifts out and an addition reads them again
+    start = 0
+    for j in range(counts.size):
+        shift = shifts[j]
+        for i in range(start, start + counts[j]):
+            values[i] += shift
+        start += counts[j]
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
 def positions_none() -> np.ndarray:
     return np.empty(0, dtype=np.int64)
 

@@ -413,6 +413,25 @@ def add_at(target: np.ndarray, positions: np.ndarray, values: np.ndarray, alpha:
     return status == 0
 
 
+def shift_segments(values: np.ndarray, counts: np.ndarray, shifts: np.ndarray) -> None:
+    """In place, ``values[s_j : s_j + counts[j]] += shifts[j]`` for consecutive segments (``s_0 = 0``,
+    ``s_{j+1} = s_j + counts[j]``): per-entry positions moved into a group's flat space in one pass.
+
+    Args:
+        values: (n,) contiguous int64, modified in place.
+        counts: (m,) int64, non-negative, summing to ``n``.
+        shifts: (m,) int64.
+
+    Raises:
+        ValueError: the counts do not add up to ``values.size`` (the loop would run past it).
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    if counts.size != shifts.size or int(counts.sum()) != values.size or (counts.size and int(counts.min()) < 0):
+        raise ValueError(f"shift_segments: {counts.size} counts summing to {int(counts.sum())} and {shifts.size} "
+                         f"shifts for {values.size} values")
+    _require().shift_segments(values, counts, shifts)
+
+
 def rice_shifted_sums(indices: np.ndarray, low: int, count: int) -> np.ndarray:
     """For ``b`` in ``low .. low + count - 1``: the sum of ``gap >> b`` over the gaps of
     ascending int64 ``indices`` (int64, ``count`` of them), in one pass.

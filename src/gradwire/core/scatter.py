@@ -16,8 +16,10 @@ import torch
 from .. import kernels
 
 #: fewer positions than this take ``index_add_``: the native call's fixed cost (about 2 us of
-#: argument handling, against 1 us for ``index_add_``) is only repaid by a scatter with many misses
-NATIVE_MIN_POSITIONS = 1 << 12
+#: argument handling, against 1 us for ``index_add_``) is only repaid by a scatter with misses. With
+#: the prefetch, 1024 positions in 295k float32: 54 us against 122 for ``index_add_`` with the
+#: caches flushed (as a step's later scatters find them), 3.7 against 2.5 us with them warm
+NATIVE_MIN_POSITIONS = 1 << 10
 
 
 def scatter_add(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, *,
