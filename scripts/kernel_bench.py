@@ -7,7 +7,9 @@ compensate_scan with and without the threshold test, with the zeroing of the gra
 the dense path's divide_and_hash (by 3, a division; by 4, a multiplication) next to torch's div_,
 the error-feedback scatter add_at at the candidates' fraction of sorted random positions next to
 torch's index_add_, and the threshold's strided sample (sample_magnitudes; the scattered rows with
-the caches flushed before each call, as a step finds them); random normal float32 data, the
+the caches flushed before each call, as a step finds them), and the sparse AllReduce's merges of two
+sets of that many sorted positions (sorted_members, union_add) next to torch's searchsorted and its
+unique with index_add_; random normal float32 data, the
 threshold at the (1 - F) quantile of |grad + residual|
 (F = 0.015: top-k 1% and its sampled threshold's margin). Defaults: ResNet-18's 11,173,834 elements.
 """
@@ -87,6 +89,27 @@ def main() -> int:
         sample = np.empty(-(-args.numel // stride), dtype=np.float32)
         cold.append((f"sample_magnitudes ({sample.size:,}, flushed)",
                      lambda: _native.sample_magnitudes(grad, residual, True, stride, sample)))
+    merges = []
+    if hasattr(_native, "sorted_members"):  # the sparse AllReduce's merges of two sorted sets of positions
+        other = np.sort(rng.choice(args.numel, scattered.size, replace=False)).astype(np.int64)
+        flags, (mine, theirs) = np.empty(scattered.size, dtype=np.bool_), (where, torch.from_numpy(other))
+        union_positions = np.empty(2 * scattered.size, dtype=np.int64)
+        union_values = np.empty(2 * scattered.size, dtype=np.float32)
+
+        def _searched() -> object:
+            at = torch.searchsorted(theirs, mine).clamp(max=theirs.numel() - 1)
+            return theirs[at] == mine
+
+        def _sorted() -> object:
+            union, inverse = torch.unique(torch.cat([mine, theirs]), return_inverse=True)
+            return torch.zeros(union.numel()).index_add_(0, inverse, torch.cat([what, what]))
+
+        merges = [
+            ("sorted_members", lambda: _native.sorted_members(scattered, other, flags)),
+            ("torch searchsorted + gather (the same)", _searched),
+            ("union_add", lambda: _native.union_add(scattered, sent, other, sent, 1.0, union_positions, union_values)),
+            ("torch unique + index_add_ (the same)", _sorted),
+        ]
     found = _native.compensate_scan(grad, residual, out, limit, positions, values, False, True)[0]
     print(f"{args.numel:,} float32, {found:,} at or above the threshold, 1 thread, medians of {args.repeats}")
     for name, call in rows:
@@ -94,6 +117,10 @@ def main() -> int:
     print(f"{scattered.size:,} sorted positions scattered")
     for name, call in cold:
         print(f"{name:40s} {_median_ms(call, args.repeats, before=lambda: flush.fill(1.0)):7.2f} ms")
+    if merges:
+        print(f"two sets of {scattered.size:,} sorted positions merged")
+    for name, call in merges:
+        print(f"{name:40s} {_median_ms(call, args.repeats):7.2f} ms")
     return 0
 
 

@@ -471,3 +471,60 @@ def test_keeping_the_largest_candidates_equals_the_torch_numpy_path(dtype: type)
         np.testing.assert_array_equal(kept_positions, wanted_positions.numpy())
         np.testing.assert_array_equal(kept_values, wanted_values.numpy())
         assert kept_values.dtype == values.dtype
+
+
+def test_sorted_membership_equals_the_binary_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwire.exchange.sparse_allreduce import positions_in
+
+    generator = torch.Generator().manual_seed(5)
+    pool = torch.randperm(5000, generator=generator)
+    cases = [(pool[:800], pool[400:2000]), (pool[:0], pool[:10]), (pool[:10], pool[:0]),
+             (pool[:300], pool[:300]), (torch.tensor([4999]), torch.tensor([0])),
+             (torch.tensor([0]), torch.tensor([4999]))]
+    for needles, haystack in cases:
+        needles, haystack = torch.sort(needles).values, torch.sort(haystack).values
+        native = positions_in(needles, haystack)
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "_kernels", lambda: None)
+            reference = positions_in(needles, haystack)
+        assert native.dtype == torch.bool and torch.equal(native, reference)
+        assert int(native.sum()) == len(set(needles.tolist()) & set(haystack.tolist()))
+
+
+@pytest.mark.parametrize("alpha", [1.0, -1.0])
+def test_union_add_equals_adding_into_zeros_in_order(alpha: float) -> None:
+    # the torch twin: index_add_ into zeros, a's entries first, then alpha * b's (bit for bit, -0.0 included)
+    generator = torch.Generator().manual_seed(6)
+    a_positions = torch.sort(torch.randperm(3000, generator=generator)[:900]).values
+    b_positions = torch.sort(torch.randperm(3000, generator=generator)[:700]).values
+    a_values = torch.randn(900, generator=generator) * 1e3
+    b_values = torch.randn(700, generator=generator)
+    a_values[:5], b_values[:5] = -0.0, -0.0
+    b_values[5:8] = float("nan")
+    for a_pos, a_val in ((a_positions, a_values), (a_positions[:0], a_values[:0])):
+        zero_then_a = kernels.union_add(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32),
+                                        a_pos.numpy(), a_val.numpy())
+        positions, values = kernels.union_add(*zero_then_a, b_positions.numpy(), b_values.numpy(), alpha)
+        union, inverse = torch.unique(torch.cat([a_pos, b_positions]), return_inverse=True)
+        expected = torch.zeros(union.numel()).index_add_(0, inverse, torch.cat([a_val, alpha * b_values]))
+        assert positions.tolist() == union.tolist()
+        assert torch.equal(torch.from_numpy(values).view(torch.int32), expected.view(torch.int32))
+
+
+def test_native_histograms_equal_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwire.exchange.threshold_search import ThresholdSearch, magnitude_keys
+
+    generator = torch.Generator().manual_seed(7)
+    values = torch.cat([torch.randn(20_000, generator=generator) * 10.0 ** torch.randint(-20, 20, (20_000,),
+                                                                                              generator=generator),
+                        torch.zeros(50), torch.tensor([1.4e-45, 3.0e38])])
+    keys = magnitude_keys(values)
+    for hint in (None, 0.5, 1e-30):
+        search = ThresholdSearch.start(2000, None, hint)
+        while not search.done:
+            native = search.local_counts(keys)
+            with monkeypatch.context() as patch:
+                patch.setattr(kernels, "_kernels", lambda: None)
+                reference = search.local_counts(keys)
+            assert native.dtype == torch.int64 and torch.equal(native, reference), (hint, search.level)
+            search = search.refine(native)

@@ -471,3 +471,65 @@ def divide_and_hash(values: np.ndarray, words: np.ndarray, divisor: float, facto
     for i in range(full, n):
         lanes[i - full] = lanes[i - full] * LANE_MULTIPLIER + np.uint64(words[i])
     return finite
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def sorted_members(needles: np.ndarray, haystack: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = needles[i] in haystack``, both int64 ascending: one merge of the two, where a
+    binary search per needle misses the cache ``log2(haystack)`` times."""
+    j = 0
+    m = haystack.size
+    for i in range(needles.size):
+        needle = needles[i]
+        while j < m and haystack[j] < needle:
+            j += 1
+        out[i] = j < m and haystack[j] == needle
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def union_add(a_positions: np.ndarray, a_values: np.ndarray, b_positions: np.ndarray, b_values: np.ndarray,
+              alpha: float, out_positions: np.ndarray, out_values: np.ndarray) -> int:
+    """The union of two strictly ascending sparse vectors, ``a + alpha * b``: ``a`` where only ``a``
+    holds the position, ``0.0 + alpha * b`` where only ``b`` does (the bits of an addition into
+    zeros, -0.0 included), ``a + alpha * b`` where both do. Returns how many were written."""
+    i = 0
+    j = 0
+    n = 0
+    na = a_positions.size
+    nb = b_positions.size
+    while i < na or j < nb:
+        if j >= nb or (i < na and a_positions[i] < b_positions[j]):
+            out_positions[n] = a_positions[i]
+            out_values[n] = a_values[i]
+            i += 1
+        elif i >= na or b_positions[j] < a_positions[i]:
+            out_positions[n] = b_positions[j]
+            out_values[n] = 0.0 + alpha * b_values[j]
+            j += 1
+        else:
+            out_positions[n] = a_positions[i]
+            out_values[n] = a_values[i] + alpha * b_values[j]
+            i += 1
+            j += 1
+        n += 1
+    return n
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def bin_counts(keys: np.ndarray, lo: int, hi: int, inner_edges: np.ndarray, counts: np.ndarray) -> None:
+    """``counts[d] +=`` the keys in ``[lo, hi)`` whose bin is ``d``: the number of ``inner_edges``
+    (ascending) ``<= key`` (``searchsorted(..., right=True)``), one pass and no temporaries."""
+    m = inner_edges.size
+    for i in range(keys.size):
+        key = keys[i]
+        if key < lo or key >= hi:
+            continue
+        low = 0
+        high = m
+        while low < high:  # the first edge > key
+            middle = (low + high) >> 1
+            if inner_edges[middle] <= key:
+                low = middle + 1
+            else:
+                high = middle
+        counts[low] += 1

@@ -457,3 +457,62 @@ def rice_section(indices: np.ndarray, parameter: int, unary_bits: int) -> bytes:
     section[0] = parameter
     _require().rice_write(indices, parameter, section, unary_start)
     return section.tobytes()
+
+
+def sorted_members(needles: np.ndarray, haystack: np.ndarray) -> np.ndarray:
+    """Which of ``needles`` occur in ``haystack``, both int64 ascending, in one merge of the two
+    (the sparse AllReduce's survivors among a rank's own entries: 1.34 ms against 5.85 for
+    ``torch.searchsorted`` and a gather, 167,607 needles in as many positions, one thread,
+    ``scripts/kernel_bench.py``).
+
+    Returns:
+        (needles.size,) bool.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    out = np.empty(needles.size, dtype=np.bool_)
+    _require().sorted_members(needles, haystack, out)
+    return out
+
+
+def union_add(a_positions: np.ndarray, a_values: np.ndarray, b_positions: np.ndarray, b_values: np.ndarray,
+              alpha: float = 1.0) -> "tuple[np.ndarray, np.ndarray]":
+    """The sparse sum ``a + alpha * b`` of two strictly ascending sparse vectors, in one merge:
+    positions in either, ascending; values ``a``, ``0.0 + alpha * b`` or ``a + alpha * b`` (the
+    bits of adding into zeros in the order a, then b, as ``index_add_`` into a zeroed tensor gives).
+    Two sets of 167,607 positions: 2.05 ms against 6.95 for ``torch.unique`` and ``index_add_``
+    (``scripts/kernel_bench.py``).
+
+    Args:
+        a_positions, b_positions: int64, strictly ascending.
+        a_values, b_values: float32 or float64, one dtype, each the size of its positions.
+        alpha: b's factor (-1: subtract).
+
+    Returns:
+        positions (int64) and values (the inputs' dtype) of the union.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    capacity = a_positions.size + b_positions.size
+    positions = np.empty(capacity, dtype=np.int64)
+    values = np.empty(capacity, dtype=a_values.dtype)
+    count = _require().union_add(a_positions, a_values, b_positions, b_values, alpha, positions, values)
+    return positions[:count], values[:count]
+
+
+def bin_counts(keys: np.ndarray, lo: int, hi: int, inner_edges: np.ndarray) -> np.ndarray:
+    """A histogram of the int64 ``keys`` in ``[lo, hi)``: bin ``d`` counts those with ``d`` of the
+    ascending int64 ``inner_edges`` at or below them, in one pass (torch needs a mask, a gather, a
+    ``searchsorted`` and a ``bincount``).
+
+    Returns:
+        (inner_edges.size + 1,) int64.
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    counts = np.zeros(inner_edges.size + 1, dtype=np.int64)
+    _require().bin_counts(keys, lo, hi, inner_edges, counts)
+    return counts

@@ -201,14 +201,17 @@ def test_world_of_one_and_bad_arguments() -> None:
         allreduce_sum_exact(torch.zeros(3), None, what="test", collective="sum")
 
 
-@pytest.mark.parametrize("dense_ratio", [0, 10**9], ids=["sorted-entries", "dense-scratch"])
-def test_the_owners_sum_adds_in_rank_order_whichever_way_it_reduces(monkeypatch, dense_ratio: int) -> None:
+@pytest.mark.parametrize(("dense_ratio", "native_pieces"), [(0, 16), (0, 0), (10**9, 16)],
+                         ids=["merged-entries", "sorted-entries", "dense-scratch"])
+def test_the_owners_sum_adds_in_rank_order_whichever_way_it_reduces(monkeypatch, dense_ratio: int,
+                                                                     native_pieces: int) -> None:
     # float32 addition does not associate: 1e8 + 1 rounds back to 1e8, so position 3 sums to 0 in
     # rank order ((0 + 1) + 1e8) - 1e8 and to 1 in reverse order ((0 - 1e8) + 1e8) + 1; both ways start from
     # +0.0, so a lone -0.0 sums to +0.0 (a copy instead of a sum would keep the sign)
     from gradwire.exchange import sparse_reduce_scatter as module
 
     monkeypatch.setattr(module, "DENSE_REDUCE_RATIO", dense_ratio)
+    monkeypatch.setattr(module, "NATIVE_MERGE_PIECES", native_pieces)  # 0: torch's sort (the native merge's twin)
     pieces = [(torch.tensor([3, 5]), torch.tensor([1.0, -0.0])),
               (torch.tensor([0, 3]), torch.tensor([2.5, 1e8])),
               (torch.tensor([3, 9]), torch.tensor([-1e8, 4.0]))]

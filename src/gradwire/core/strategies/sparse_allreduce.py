@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ... import codecs as codec_layer
+from ... import kernels
 from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.regions import balanced_boundaries, equal_boundaries
@@ -163,7 +165,14 @@ def keep_own_share(group: Group, positions: torch.Tensor, result: SparseAllreduc
     the owner's coding error where this rank owns a region), for ``residual = compensated - sent``."""
     sent_positions = positions[result.survived]
     sent_values = result.contributed[result.survived]
-    if result.carry_indices.numel():
+    if result.carry_indices.numel() and sent_positions.device.type == "cpu" and kernels.available():
+        # one merge where torch sorts the concatenation (both sides are ascending already)
+        merged = kernels.union_add(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32),
+                                   sent_positions.numpy(), sent_values.to(torch.float32).contiguous().numpy())
+        merged = kernels.union_add(*merged, result.carry_indices.contiguous().numpy(),
+                                   result.carry_values.to(torch.float32).contiguous().numpy(), alpha=-1.0)
+        sent_positions, sent_values = torch.from_numpy(merged[0]), torch.from_numpy(merged[1])
+    elif result.carry_indices.numel():
         sent_positions = torch.cat([sent_positions, result.carry_indices.to(sent_positions.device)])
         sent_values = torch.cat([sent_values, -result.carry_values.to(sent_values.device)])
         sent_positions, inverse = torch.unique(sent_positions, return_inverse=True)
