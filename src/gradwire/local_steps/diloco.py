@@ -91,8 +91,8 @@ class DiLoCo:
             :mod:`.fragments`) every ``H / F`` steps.
         overlap_steps: τ; a sync's exchange stays in flight for τ inner steps and its result is
             merged afterwards (``merge_alpha``; at most ``H / F``). Only non-blocking strategies
-            (dense, AllGather's payloads) overlap; the quantized and sparse AllReduces complete
-            inside the step that starts them.
+            (dense, AllGather's payloads) overlap; the quantized AllReduce completes inside the
+            step that starts it, the sparse AllReduce inside the step that finishes it.
         process_group: the ranks that sync (default: the world).
         outer_optimizer: a factory ``params -> torch.optim.Optimizer`` replacing the SGD default;
             ``params`` are float32 tensors shaped like the model's parameters.

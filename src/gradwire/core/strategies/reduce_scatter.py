@@ -128,6 +128,7 @@ class ShardStrategy(ExchangeStrategy):
         sub.finite = valid
         self.prepare_replicas(sub)
         strategy.start(sub).complete(self.context.timeout)
+        strategy.settle()  # a strategy that defers to the round's end (the sparse AllReduce) runs here
         group.feedback_updates.extend(sub.feedback_updates)
         group.feedback_clears.extend(sub.feedback_clears)
         group.feedback_sets.extend(sub.feedback_sets)
