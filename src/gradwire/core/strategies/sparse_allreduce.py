@@ -72,8 +72,9 @@ class SparseAllReduce(ExchangeStrategy):
     after group in start order, blocking on the front-end's thread (each round depends on the one
     before). Run inside the backward, as they once were, each group's rounds made the ranks wait for
     one another there: the time one rank's backward ran ahead of the other's, at every bucket
-    (15-90 ms per step for ResNet-18 on 2 loopback ranks whose exchange took 17 ms of CPU); at the
-    round's end they wait once, as the AllGather's ranks do at the agreement.
+    (9-86 ms per step for ResNet-18 on 2 loopback ranks whose exchange took 17-21 ms of CPU;
+    docs/benchmarks.md); at the round's end they wait once, as the AllGather's ranks do at the
+    agreement.
     """
 
     name = "sparse-allreduce"
