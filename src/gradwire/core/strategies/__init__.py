@@ -8,10 +8,13 @@
 * :class:`QuantizedAllReduce` — dense, in int8/int4 blocks (``quantize=``), with error feedback;
 * :class:`DenseReduceScatter`, :class:`QuantizedReduceScatter`, :class:`SparseReduceScatter` —
   shard groups (FSDP2's reduce-scatter, and HSDP's AllReduce across replicas).
+
+The sparse AllReduce and the hierarchical exchange are :class:`DeferredStrategy` subclasses: their rounds
+wait on one another, so they run at the round's end (``settle``), not inside the backward.
 """
 
 from .allgather import PayloadAllGather, count_slack
-from .base import Exchange, ExchangeContext, ExchangeStrategy
+from .base import DeferredStrategy, Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce
 from .hierarchical import HierarchicalExchange, local_size_of
 from .quantized import QuantizedAllReduce
@@ -25,6 +28,7 @@ from .shared_support import SharedSupportAllReduce
 from .sparse_allreduce import SparseAllReduce
 
 __all__ = [
+    "DeferredStrategy",
     "DenseAllReduce",
     "DenseReduceScatter",
     "Exchange",

@@ -31,9 +31,10 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ...codecs.base import IndexCodec, ValueCodec
-from ...errors import collective_failed
+from ...errors import CollectiveError, collective_failed
+from ...exchange.checked import time_limit
 from ...exchange.inflight import Launched
-from ..group import Group
+from ..group import Group, Status
 from ..stats import ExchangeStats
 
 
@@ -78,6 +79,53 @@ class ExchangeStrategy(ABC):
 
     def reset(self) -> None:
         """Forget what carries across steps (e.g. after loading a checkpoint on every rank)."""
+
+
+class DeferredStrategy(ExchangeStrategy):
+    """A strategy whose rounds depend on one another's results, so each waits on the wire before the
+    next can start (the sparse AllReduce, the hierarchical exchange). ``start`` only records the group
+    (it stays pending and nothing moves); :meth:`settle` runs the round's groups at its end, in start
+    order, blocking on the front-end's thread. Inside the backward, such rounds made the ranks wait
+    for one another at every bucket (the time one rank's backward ran ahead of the other's); at the
+    round's end they wait once, as the asynchronous strategies' ranks do at the agreement.
+    Subclasses implement :meth:`_run`, which exchanges one group and raises on failure."""
+
+    def __init__(self, context: ExchangeContext) -> None:
+        super().__init__(context)
+        #: the groups started in this round, exchanged by settle() in this order
+        self._deferred: list[Group] = []
+
+    def start(self, group: Group) -> "Exchange":
+        """Record ``group`` for :meth:`settle`; nothing moves yet."""
+        self._deferred.append(group)
+        return Exchange(self.context, group)
+
+    def settle(self) -> None:
+        """Exchange the round's groups in start order (the same on every rank), each within
+        ``collective_timeout``. Every started group runs its rounds, so every rank issues the same
+        collectives, unless one failed on the wire: the rest are then failed with its error without
+        running (their peers see the failure too, or time out once, not once per group). A group
+        the round already failed (its wait timed out) exchanges but stays failed."""
+        groups, self._deferred = self._deferred, []
+        broken: Optional[BaseException] = None
+        with time_limit(self.context.timeout):
+            for group in groups:
+                if broken is not None:
+                    group.mark_failed(broken)
+                    continue
+                failed_before = group.error if group.status == Status.FAILED else None
+                run_guarded(group, lambda: self._run(group))
+                if failed_before is not None:  # written or not, what the round decided stands
+                    group.status, group.error = Status.FAILED, failed_before
+                elif group.status == Status.FAILED and isinstance(group.error, CollectiveError):
+                    broken = group.error
+
+    def reset(self) -> None:
+        self._deferred = []
+
+    @abstractmethod
+    def _run(self, group: Group) -> None:
+        """Exchange ``group`` and write it (or mark it non-finite); raise on failure."""
 
 
 class Exchange:

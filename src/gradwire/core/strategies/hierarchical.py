@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional, Union
 
 import torch
@@ -12,7 +13,7 @@ from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_spars
 from ...sparsify.base import Sparsifier
 from ..feedback import ErrorFeedback, accumulation_dtype
 from ..group import Group
-from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
+from .base import DeferredStrategy, ExchangeContext
 from .sparse_allreduce import RegionCodecAdapter, averaged_output
 
 
@@ -29,7 +30,7 @@ def local_size_of(hierarchy: Union[str, int], world_size: int) -> int:
     return size
 
 
-class HierarchicalExchange(ExchangeStrategy):
+class HierarchicalExchange(DeferredStrategy):
     """1. Every rank's compensated gradient (``grad + its residual``) is reduce-scattered densely
        inside its node (fast local links): local rank j holds the node's sum on shard j;
     2. the sparsifier selects on that shard sum;
@@ -38,7 +39,8 @@ class HierarchicalExchange(ExchangeStrategy):
        each ``1/local_size`` of the volume;
     4. the shards' results are all-gathered inside the node, and every rank writes the average.
     Error feedback is per rank over its shard: rank r keeps ``node sum on its shard - what of it
-    survived`` (zero elsewhere), which telescopes over all ranks. Blocking, on the front-end's thread.
+    survived`` (zero elsewhere), which telescopes over all ranks. Deferred (:class:`.base.DeferredStrategy`):
+    its rounds run at the round's end, blocking, group after group.
     """
 
     name = "hierarchical"
@@ -60,10 +62,6 @@ class HierarchicalExchange(ExchangeStrategy):
             self._hierarchy = built
         return self._hierarchy
 
-    def start(self, group: Group) -> Exchange:
-        run_guarded(group, lambda: self._run(group))
-        return Exchange(self.context, group)
-
     def _run(self, group: Group) -> None:
         context = self.context
         k = group.k
@@ -83,6 +81,7 @@ class HierarchicalExchange(ExchangeStrategy):
             return self.sparsifier.select(shard_sum, step=step, tensor_id=tensor_id)
 
         self.codec.error = None
+        started = time.perf_counter()
         try:
             result = hierarchical_sparse_allreduce(dense=dense, k=k if k is not None else group.numel,
                                                    hierarchy=hierarchy, select=select, codec=self.codec)
@@ -90,6 +89,7 @@ class HierarchicalExchange(ExchangeStrategy):
             raise (self.codec.error or error)
         except RuntimeError as error:
             raise collective_failed("hierarchical exchange", step, error) from error
+        context.stats.add("seconds_communicate", time.perf_counter() - started)  # blocking: its rounds' wall time
         context.stats.add("bytes_sent", float(sum(result.sent_intra.values()) + sum(result.sent_cross.values())))
         context.stats.add("bytes_sent_cross_node", float(sum(result.sent_cross.values())))
         context.stats.add("count_hierarchical_buckets", 1)

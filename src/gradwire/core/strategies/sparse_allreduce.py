@@ -12,12 +12,11 @@ from ... import codecs as codec_layer
 from ... import kernels
 from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError, DecodeError, collective_failed
-from ...exchange.checked import time_limit
 from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
 from ..digest import digest_of
-from ..group import Group, Status, all_finite
-from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
+from ..group import Group, all_finite
+from .base import DeferredStrategy, ExchangeContext
 
 #: Steps between refreshes of a layout's regions (one small AllReduce each; Ok-Topk uses 64).
 REGION_REFRESH_STEPS = 64
@@ -56,7 +55,7 @@ class RegionCodecAdapter:
         return indices, values.to(torch.float32)
 
 
-class SparseAllReduce(ExchangeStrategy):
+class SparseAllReduce(DeferredStrategy):
     """1. Join the group's selections into one sparse contribution over its flat space;
     2. ``exchange.sparse_allreduce``: a sparse reduce-scatter by index region (regions balanced
        from the ranks' selected positions, refreshed every ``REGION_REFRESH_STEPS`` steps), each
@@ -68,13 +67,9 @@ class SparseAllReduce(ExchangeStrategy):
     3. write the average; each rank's residual is its compensated gradient minus what of its own
        contribution survived the second selection (plus, for lossy values, the owner's coding
        error), so ``sum of residuals = sum of compensated - applied``: error feedback telescopes.
-    ``start`` only records the group; its rounds run at the round's end (:meth:`settle`), group
-    after group in start order, blocking on the front-end's thread (each round depends on the one
-    before). Run inside the backward, as they once were, each group's rounds made the ranks wait for
-    one another there: the time one rank's backward ran ahead of the other's, at every bucket
-    (9-86 ms per step for ResNet-18 on 2 loopback ranks whose exchange took 17-21 ms of CPU;
-    docs/benchmarks.md); at the round's end they wait once, as the AllGather's ranks do at the
-    agreement.
+    Deferred (:class:`.base.DeferredStrategy`): its rounds run at the round's end, group after
+    group; inside the backward they made 2 loopback ranks of ResNet-18 wait for one another 9-86 ms
+    per step, against 17-21 ms of CPU in the exchange (docs/benchmarks.md).
     """
 
     name = "sparse-allreduce"
@@ -85,38 +80,11 @@ class SparseAllReduce(ExchangeStrategy):
         self._regions: dict[tuple[int, ...], tuple[int, list[int]]] = {}
         #: the last agreed threshold per layout (the same on every rank): the next step's hint
         self._thresholds: dict[tuple[int, ...], float] = {}
-        #: the groups started in this round, exchanged by settle() in this order
-        self._deferred: list[Group] = []
 
     def reset(self) -> None:
+        super().reset()
         self._regions = {}
         self._thresholds = {}
-        self._deferred = []
-
-    def start(self, group: Group) -> Exchange:
-        """Record ``group`` for :meth:`settle`; nothing moves yet (the group stays pending)."""
-        self._deferred.append(group)
-        return Exchange(self.context, group)
-
-    def settle(self) -> None:
-        """Exchange the round's groups in start order (the same on every rank), each within
-        ``collective_timeout``. Every started group runs its rounds, so every rank issues the same
-        collectives, unless one failed on the wire: the rest are then failed with its error without
-        running (their peers see the failure too, or time out once, not once per group). A group
-        the round already failed (its wait timed out) exchanges but stays failed."""
-        groups, self._deferred = self._deferred, []
-        broken: Optional[BaseException] = None
-        with time_limit(self.context.timeout):
-            for group in groups:
-                if broken is not None:
-                    group.mark_failed(broken)
-                    continue
-                failed_before = group.error if group.status == Status.FAILED else None
-                run_guarded(group, lambda: self._run(group))
-                if failed_before is not None:  # written or not, what the round decided stands
-                    group.status, group.error = Status.FAILED, failed_before
-                elif group.status == Status.FAILED and isinstance(group.error, CollectiveError):
-                    broken = group.error
 
     def _run(self, group: Group) -> None:
         context = self.context
