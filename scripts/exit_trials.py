@@ -26,6 +26,7 @@ COLLECTIVES = {
     "allreduce": "compressor=randomblock,density=0.05,collective=allreduce",
     "allgather": "compressor=topk,density=0.05,collective=allgather",
     "auto": "compressor=topk,density=0.05,collective=auto",
+    "sparse-allreduce": "compressor=topk,density=0.05,collective=sparse-allreduce",
     "none": "",  # no hook: the baseline
 }
 
