@@ -254,6 +254,11 @@ def check_contribution(indices: torch.Tensor, values: torch.Tensor, numel: int) 
 #: (tests/exchange/test_sparse_reduce_scatter.py holds both ways to the same bits).
 DENSE_REDUCE_RATIO = 8
 
+#: up to this many pieces, :func:`reduce_in_rank_order`'s sparse way merges them one after the
+#: other in native code (each merge reads what the earlier ones gave: ``O(pieces * entries)``);
+#: more fall back to one sort of all of them
+NATIVE_MERGE_PIECES = 16
+
 
 def reduce_in_rank_order(pieces: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                          length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,12 +288,6 @@ def reduce_in_rank_order(pieces: list[tuple[torch.Tensor, torch.Tensor]], device
         sums[slots] = sums[slots] + vals
         offset += rel.numel()
     return positions, sums
-
-
-#: up to this many pieces, :func:`reduce_in_rank_order`'s sparse way merges them one after the
-#: other in native code (each merge reads what the earlier ones gave: ``O(pieces * entries)``);
-#: more fall back to one sort of all of them
-NATIVE_MERGE_PIECES = 16
 
 
 def _merged_in_rank_order(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -169,7 +169,8 @@ def keep_own_share(group: Group, positions: torch.Tensor, result: SparseAllreduc
     sent_positions = positions[result.survived]
     sent_values = result.contributed[result.survived]
     if result.carry_indices.numel() and sent_positions.device.type == "cpu" and kernels.available():
-        # one merge where torch sorts the concatenation (both sides are ascending already)
+        # merges where torch sorts the concatenation (both sides ascend already); the first, into
+        # nothing, gives what adding into zeros gives (-0.0 becomes +0.0), the second subtracts the carry
         merged = kernels.union_add(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32),
                                    sent_positions.numpy(), sent_values.to(torch.float32).contiguous().numpy())
         merged = kernels.union_add(*merged, result.carry_indices.contiguous().numpy(),
