@@ -107,7 +107,7 @@ def main() -> int:
         merges = [
             ("sorted_members", lambda: _native.sorted_members(scattered, other, flags)),
             ("torch searchsorted + gather (the same)", _searched),
-            ("union_add", lambda: _native.union_add(scattered, sent, other, sent, 1.0, union_positions, union_values)),
+            ("union_add", lambda: _native.union_add(scattered, sent, other, sent, union_positions, union_values)),
             ("torch unique + index_add_ (the same)", _sorted),
         ]
     found = _native.compensate_scan(grad, residual, out, limit, positions, values, False, True)[0]

@@ -488,10 +488,10 @@ def sorted_members(needles: np.ndarray, haystack: np.ndarray, out: np.ndarray) -
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def union_add(a_positions: np.ndarray, a_values: np.ndarray, b_positions: np.ndarray, b_values: np.ndarray,
-              alpha: float, out_positions: np.ndarray, out_values: np.ndarray) -> int:
-    """The union of two strictly ascending sparse vectors, ``a + alpha * b``: ``a`` where only ``a``
-    holds the position, ``0.0 + alpha * b`` where only ``b`` does (the bits of an addition into
-    zeros, -0.0 included), ``a + alpha * b`` where both do. Returns how many were written."""
+              out_positions: np.ndarray, out_values: np.ndarray) -> int:
+    """The union of two strictly ascending sparse vectors, ``a + b``: ``a`` where only ``a`` holds
+    the position, ``0.0 + b`` where only ``b`` does (the bits of an addition into zeros, -0.0
+    included), ``a + b`` where both do. Returns how many were written."""
     i = 0
     j = 0
     n = 0
@@ -504,11 +504,11 @@ def union_add(a_positions: np.ndarray, a_values: np.ndarray, b_positions: np.nda
             i += 1
         elif i >= na or b_positions[j] < a_positions[i]:
             out_positions[n] = b_positions[j]
-            out_values[n] = 0.0 + alpha * b_values[j]
+            out_values[n] = 0.0 + b_values[j]
             j += 1
         else:
             out_positions[n] = a_positions[i]
-            out_values[n] = a_values[i] + alpha * b_values[j]
+            out_values[n] = a_values[i] + b_values[j]
             i += 1
             j += 1
         n += 1

@@ -5,15 +5,14 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ... import codecs as codec_layer
-from ... import kernels
 from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
+from ...exchange.sparse_reduce_scatter import reduce_in_rank_order
 from ..digest import digest_of
 from ..group import Group, all_finite
 from .base import DeferredStrategy, ExchangeContext
@@ -168,20 +167,11 @@ def keep_own_share(group: Group, positions: torch.Tensor, result: SparseAllreduc
     the owner's coding error where this rank owns a region), for ``residual = compensated - sent``."""
     sent_positions = positions[result.survived]
     sent_values = result.contributed[result.survived]
-    if result.carry_indices.numel() and sent_positions.device.type == "cpu" and kernels.available():
-        # merges where torch sorts the concatenation (both sides ascend already); the first, into
-        # nothing, gives what adding into zeros gives (-0.0 becomes +0.0), the second subtracts the carry
-        merged = kernels.union_add(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32),
-                                   sent_positions.numpy(), sent_values.to(torch.float32).contiguous().numpy())
-        merged = kernels.union_add(*merged, result.carry_indices.contiguous().numpy(),
-                                   result.carry_values.to(torch.float32).contiguous().numpy(), alpha=-1.0)
-        sent_positions, sent_values = torch.from_numpy(merged[0]), torch.from_numpy(merged[1])
-    elif result.carry_indices.numel():
-        sent_positions = torch.cat([sent_positions, result.carry_indices.to(sent_positions.device)])
-        sent_values = torch.cat([sent_values, -result.carry_values.to(sent_values.device)])
-        sent_positions, inverse = torch.unique(sent_positions, return_inverse=True)
-        sent_values = torch.zeros(sent_positions.numel(), dtype=sent_values.dtype,
-                                  device=sent_values.device).index_add_(0, inverse, sent_values)
+    if result.carry_indices.numel():  # the two ascending lists summed in order, as adding into zeros
+        sent_positions, sent_values = reduce_in_rank_order(
+            [(sent_positions, sent_values), (result.carry_indices.to(sent_positions.device),
+                                             -result.carry_values.to(sent_values.device))],
+            sent_positions.device, group.numel)
     starts = torch.tensor([e.offset for e in group.entries], dtype=torch.int64, device=sent_positions.device)
     cuts_lo = torch.searchsorted(sent_positions, starts).tolist()
     cuts_hi = torch.searchsorted(sent_positions, starts + torch.tensor([e.numel for e in group.entries],
