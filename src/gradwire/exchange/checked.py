@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -144,17 +144,27 @@ def alltoallv(buffer: torch.Tensor, send_counts: list[int], group: Optional[dist
     Raises:
         CollectiveError: a round failed or a peer sent a negative count.
     """
-    size = group_size(group)
-    if size == 1:
+    if group_size(group) == 1:
         return buffer.clone(), list(send_counts)
-    counts_out = torch.tensor(send_counts, dtype=torch.int64, device=buffer.device)
+    recv_counts = exchange_counts(send_counts, group, device=buffer.device, what=what, collective=collective)
+    return alltoall_sized(buffer, list(send_counts), recv_counts, group, what=what, collective=collective), recv_counts
+
+
+def exchange_counts(send_counts: list[int], group: Optional[dist.ProcessGroup], *, device: torch.device,
+                    what: str, collective: str) -> list[int]:
+    """:func:`alltoallv`'s first round, blocking: the ``p`` counts each rank sends, in, the counts it receives.
+
+    Raises:
+        CollectiveError: the round failed or a peer sent a negative count.
+    """
+    counts_out = torch.tensor(send_counts, dtype=torch.int64, device=device)
     counts_in = torch.empty_like(counts_out)
     wait_checked(dist.all_to_all_single(counts_in, counts_out, group=group, async_op=True), what,
                  f"{collective} (counts)")
     recv_counts = [int(c) for c in counts_in.tolist()]
     if min(recv_counts) < 0:
         raise CollectiveError(f"{what}: {collective} (counts) received a negative count {recv_counts}")
-    return alltoall_sized(buffer, list(send_counts), recv_counts, group, what=what, collective=collective), recv_counts
+    return recv_counts
 
 
 def alltoall_sized(buffer: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
@@ -176,13 +186,31 @@ def alltoall_sized(buffer: torch.Tensor, send_sizes: list[int], recv_sizes: list
     Raises:
         CollectiveError: the round failed.
     """
-    if group_size(group) == 1:
-        return buffer.clone()
-    received = torch.empty(sum(recv_sizes), dtype=buffer.dtype, device=buffer.device)
-    work = dist.all_to_all_single(received, buffer, output_split_sizes=list(recv_sizes),
-                                  input_split_sizes=list(send_sizes), group=group, async_op=True)
-    wait_checked(work, what, collective)
+    received, work = start_alltoall_sized(buffer, send_sizes, recv_sizes, group, what=what, collective=collective)
+    if work is not None:
+        wait_checked(work, what, collective)
     return received
+
+
+def start_alltoall_sized(buffer: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                         group: Optional[dist.ProcessGroup], *, what: str, collective: str
+                         ) -> tuple[torch.Tensor, Any]:
+    """:func:`alltoall_sized` started, not waited for: the buffer it will write and its ``Work``
+    (None in a world of one, where the buffer is already the answer). Read the buffer only after
+    the Work's wait succeeded.
+
+    Raises:
+        CollectiveError: the collective could not be started.
+    """
+    if group_size(group) == 1:
+        return buffer.clone(), None
+    received = torch.empty(sum(recv_sizes), dtype=buffer.dtype, device=buffer.device)
+    try:
+        work = dist.all_to_all_single(received, buffer, output_split_sizes=list(recv_sizes),
+                                      input_split_sizes=list(send_sizes), group=group, async_op=True)
+    except RuntimeError as error:
+        raise CollectiveError(f"{what}: {collective} could not start: {error}") from error
+    return received, work
 
 
 def allgatherv(buffer: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,

@@ -63,9 +63,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..lifetime import track
+from ..errors import CollectiveError
 from .blockquant import check_options, dequantize, roundtrip
 from .checked import allgather_tensor, group_rank, group_size, wait_checked
+from .inflight import Launched
 
 WHAT_REDUCE_SCATTER = "quantized_reduce_scatter"
 WHAT_ALLREDUCE = "quantized_allreduce"
@@ -147,16 +148,77 @@ def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
         ValueError: ``input`` not 1-D float32, its length not a multiple of p, or bad options.
         CollectiveError: the ``all_to_all_single`` failed or timed out (a peer died, ...).
     """
+    launched = start_quantized_reduce_scatter(input, bits=bits, block_size=block_size, group=group,
+                                              segments=segments).launched
+    if launched.work is not None:  # the result holds the Work (Launched tracks it)
+        wait_checked(launched.work, WHAT_REDUCE_SCATTER, launched.collective, keep=False)
+    return launched.result()
+
+
+def start_quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
+                                   group: Optional[dist.ProcessGroup] = None,
+                                   segments: Optional[Sequence[int]] = None) -> "QuantizedScatterInFlight":
+    """:func:`quantized_reduce_scatter`'s first two steps now (quantize, start the ``all_to_all_single``);
+    its third (dequantize and sum) when the caller asks for the result, on the caller's thread.
+
+    A caller that has other work (FSDP2's backward of the next module) lets the chunks travel
+    meanwhile instead of holding its thread for the transfer. ``input`` is not read after this
+    returns (the local error is taken here).
+
+    Args:
+        as :func:`quantized_reduce_scatter`.
+
+    Returns:
+        :class:`QuantizedScatterInFlight`: this rank's local error now (a caller that keeps
+        residuals in another dtype converts it at once instead of holding it in float32 until the
+        result), and a :class:`~.inflight.Launched` whose ``result(timeout)`` is the
+        :class:`QuantizedReduceScatterResult` (``works`` holds the collective's ``Work``).
+
+    Raises:
+        ValueError: as :func:`quantized_reduce_scatter`, before anything is sent.
+        CollectiveError: the collective could not be started. A failure on the wire is raised by
+            ``result`` (a ``RuntimeError`` naming the collective, as every :class:`~.inflight.Launched`).
+    """
     size = _members(group, WHAT_REDUCE_SCATTER)
     check_options(bits, block_size)
     _check_flat(input, WHAT_REDUCE_SCATTER)
     if input.numel() % size:
         raise ValueError(f"{WHAT_REDUCE_SCATTER}: input of {input.numel()} values is not {size} equal chunks")
-    works: list = []
-    shard, error, sent, (packed, received) = _reduce_scatter(input.reshape(size, -1), bits, block_size, group, size,
-                                                             WHAT_REDUCE_SCATTER, segments, works)
-    return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent, packed, received,
-                                        tuple(works))
+    chunks = input.reshape(size, -1)
+    s = chunks.shape[1]
+    packed, local = roundtrip(chunks, bits=bits, block_size=block_size, segments=segments)  # (p, Q), (p, s)
+    error = chunks - local
+    sent = {"reduce-scatter": (size - 1) * packed.shape[1]}
+    work = None
+    received = packed
+    if size > 1 and packed.numel():  # else nothing to move (every rank has the same sizes)
+        received = torch.empty_like(packed)
+        try:
+            work = dist.all_to_all_single(received.reshape(-1), packed.reshape(-1), group=group, async_op=True)
+        except RuntimeError as error_:
+            raise CollectiveError(f"{WHAT_REDUCE_SCATTER}: reduce-scatter all_to_all_single could not start: "
+                                  f"{error_}") from error_
+
+    def finish() -> QuantizedReduceScatterResult:
+        shard = _sum_in_rank_order(received, s, bits, block_size, segments)
+        return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent, packed, received,
+                                            (work,) if work is not None else ())
+
+    return QuantizedScatterInFlight(error.reshape(-1), Launched(work, finish, "reduce-scatter all_to_all_single"))
+
+
+@dataclass(frozen=True)
+class QuantizedScatterInFlight:
+    """What :func:`start_quantized_reduce_scatter` returns.
+
+    Attributes:
+        error: ``(p s,)`` float32, this rank's quantization error ``input - D(Q(input))`` per chunk
+            (the same tensor as the result's ``error``).
+        launched: the exchange in flight; ``result(timeout)`` is the :class:`QuantizedReduceScatterResult`.
+    """
+
+    error: torch.Tensor
+    launched: Launched[QuantizedReduceScatterResult]
 
 
 def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
@@ -185,7 +247,7 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
         return QuantizedAllreduceResult(input.clone(), input.clone(), _all_finite(input), {})
     chunk = math.ceil(n / size)
     padded = torch.nn.functional.pad(input, (0, size * chunk - n)).reshape(size, chunk)
-    shard, error, sent, _ = _reduce_scatter(padded, bits, block_size, group, size, WHAT_ALLREDUCE)
+    shard, error, sent = _reduce_scatter(padded, bits, block_size, group, size, WHAT_ALLREDUCE)
 
     # re-quantize the owner's sum; a non-finite S writes NaN scales, so every rank will see it
     packed, requantized = roundtrip(shard, bits=bits, block_size=block_size)
@@ -199,30 +261,31 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
 
 
 def _reduce_scatter(chunks: torch.Tensor, bits: int, block_size: int, group: Optional[dist.ProcessGroup],
-                    size: int, what: str, segments: Optional[Sequence[int]] = None, held: Optional[list] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int], tuple[torch.Tensor, torch.Tensor]]:
-    """Steps 1-3 on ``chunks`` ``(p, s)`` float32: the owner's rank-order sum ``(s,)``, this rank's
-    local error ``(p, s)``, the bytes sent, and the ``(p, Q)`` uint8 chunks sent and received.
-    ``held``: a list the collective's Work is appended to (the caller holds it), else the queue of
-    recent works keeps it."""
+                    size: int, what: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    """Steps 1-3 on ``chunks`` ``(p, s)`` float32, blocking: the owner's rank-order sum ``(s,)``,
+    this rank's local error ``(p, s)`` and the bytes sent (the AllReduce's first round)."""
     s = chunks.shape[1]
-    packed, local = roundtrip(chunks, bits=bits, block_size=block_size, segments=segments)  # (p, Q), (p, s)
+    packed, local = roundtrip(chunks, bits=bits, block_size=block_size)  # (p, Q), (p, s)
     error = chunks - local
     if size == 1 or packed.numel() == 0:  # nothing to move (every rank has the same sizes)
         received = packed
     else:
         received = torch.empty_like(packed)
         work = dist.all_to_all_single(received.reshape(-1), packed.reshape(-1), group=group, async_op=True)
-        if held is not None:  # the caller holds it (see QuantizedReduceScatterResult.works)
-            track(work)
-            held.append(work)
-        wait_checked(work, what, "reduce-scatter all_to_all_single", keep=held is None)
-    decoded = dequantize(received, s, bits=bits, block_size=block_size, segments=segments)  # row r: from rank r
+        wait_checked(work, what, "reduce-scatter all_to_all_single")
+    sent = {"reduce-scatter": (size - 1) * packed.shape[1]}
+    return _sum_in_rank_order(received, s, bits, block_size, None), error, sent
+
+
+def _sum_in_rank_order(received: torch.Tensor, s: int, bits: int, block_size: int,
+                       segments: Optional[Sequence[int]]) -> torch.Tensor:
+    """Step 3: every source's ``(Q,)`` chunk (row r from rank r) dequantized, summed in rank order ``(s,)``."""
+    decoded = dequantize(received, s, bits=bits, block_size=block_size, segments=segments)
     # a loop over ranks, not values: p ordered adds, where a sum over dim 0 leaves the order to the backend
     shard = decoded[0].clone()
-    for source in range(1, size):
+    for source in range(1, decoded.shape[0]):
         shard += decoded[source]
-    return shard, error, {"reduce-scatter": (size - 1) * packed.shape[1]}, (packed, received)
+    return shard
 
 
 def _members(group: Optional[dist.ProcessGroup], what: str) -> int:

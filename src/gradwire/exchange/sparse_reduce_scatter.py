@@ -41,7 +41,9 @@ import torch.distributed as dist
 from .. import kernels
 from ..errors import DecodeError
 from ..sparse import is_support
-from .checked import allreduce_sum_exact, alltoall_sized, alltoallv, group_rank, group_size
+from .checked import (allreduce_sum_exact, exchange_counts, group_rank, group_size, start_alltoall_sized,
+                      wait_checked)
+from .inflight import Launched
 from .region_payload import RegionCodec, decode_region, encode_region, frame_capacity, from_frame, is_wide, to_frame
 from .regions import check_boundaries
 
@@ -116,6 +118,34 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
             ``boundaries`` fails alike, before any collective).
         CollectiveError: a collective failed (on every surviving rank).
     """
+    launched = start_sparse_reduce_scatter(indices=indices, values=values, numel=numel, boundaries=boundaries,
+                                           group=group, codec=codec, what=what, most=most)
+    if launched.work is not None:  # the result holds the Work (Launched tracks it)
+        wait_checked(launched.work, what, launched.collective, keep=False)
+    return launched.result()
+
+
+def start_sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel: int,
+                                boundaries: Sequence[int], group: Optional[dist.ProcessGroup] = None,
+                                codec: Optional[RegionCodec] = None, what: str = WHAT,
+                                most: Optional[Sequence[int]] = None) -> Launched[SparseReduceScatterResult]:
+    """:func:`sparse_reduce_scatter` up to its payloads' start (encoding, the counts round when there
+    is one); the decoding and the owner's sum when the caller asks for the result, on its thread.
+
+    A caller with other work (FSDP2's backward of the next module) lets the payloads travel
+    meanwhile. ``indices`` and ``values`` are not read after this returns.
+
+    Args:
+        as :func:`sparse_reduce_scatter`.
+
+    Returns:
+        A :class:`~.inflight.Launched` whose ``result(timeout)`` is the :class:`SparseReduceScatterResult`.
+
+    Raises:
+        ValueError: bad arguments, before any collective.
+        CollectiveError: the counts round failed, or the payloads' collective could not start. A
+            failure on the wire of the payloads is raised by ``result`` (a ``RuntimeError`` naming it).
+    """
     size, me = group_size(group), group_rank(group)
     if me < 0:
         raise ValueError(f"{what}: this rank is not a member of the group it was given")
@@ -137,34 +167,43 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
         contributed.append(decoded)
     capacities = _capacities(codec, most, lengths, wide, what)
     if capacities is None:
+        collective = "reduce-scatter all_to_all_single"
         send_counts = [p.numel() for p in payloads]
-        received, recv_counts = alltoallv(torch.cat(payloads), send_counts, group, what=what,
-                                          collective="reduce-scatter all_to_all_single")
+        recv_counts = (exchange_counts(send_counts, group, device=device, what=what, collective=collective)
+                       if size > 1 else send_counts)
+        received, work = start_alltoall_sized(torch.cat(payloads), send_counts, recv_counts, group, what=what,
+                                              collective=collective)
         sent = {"reduce-scatter counts": 8 * (size - 1), "reduce-scatter": sum(send_counts) - send_counts[me]}
-        chunks = torch.split(received, recv_counts)
+        sizes = recv_counts
     else:
         assert most is not None
+        collective = "reduce-scatter all_to_all_single (frames)"
         frames = [to_frame(payloads[j], counts[j], int(most[j]), capacities[j]) for j in range(size)]
-        received = alltoall_sized(torch.cat(frames), capacities, [capacities[me]] * size, group, what=what,
-                                  collective="reduce-scatter all_to_all_single (frames)")
+        received, work = start_alltoall_sized(torch.cat(frames), capacities, [capacities[me]] * size, group,
+                                              what=what, collective=collective)
         sent = {"reduce-scatter": sum(capacities) - capacities[me]}
-        chunks = torch.split(received, capacities[me])
+        sizes = [capacities[me]] * size
+    framed = capacities is not None
 
-    status, error, pieces = RegionStatus.OK, None, []
-    try:
-        if capacities is not None:
-            chunks = [from_frame(frame, f"{what}: rank {src}'s frame") for src, frame in enumerate(chunks)]
-        pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
-                  for src, chunk in enumerate(chunks)]
-        region_indices, sums = reduce_in_rank_order(pieces, device, lengths[me])
-        if not bool(torch.isfinite(sums).all()):
-            status = RegionStatus.NONFINITE
-    except DecodeError as caught:
-        status, error, pieces = RegionStatus.DECODE_FAILED, caught, []
-        region_indices = torch.empty(0, dtype=torch.int64, device=device)
-        sums = torch.empty(0, dtype=torch.float32, device=device)
-    return SparseReduceScatterResult(region_indices, sums, bounds[me], lengths[me], torch.cat(contributed),
-                                     status, error, sent, tuple(pieces))
+    def finish() -> SparseReduceScatterResult:
+        chunks = list(torch.split(received, sizes))
+        status, error, pieces = RegionStatus.OK, None, []
+        try:
+            if framed:
+                chunks = [from_frame(frame, f"{what}: rank {src}'s frame") for src, frame in enumerate(chunks)]
+            pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
+                      for src, chunk in enumerate(chunks)]
+            region_indices, sums = reduce_in_rank_order(pieces, device, lengths[me])
+            if not bool(torch.isfinite(sums).all()):
+                status = RegionStatus.NONFINITE
+        except DecodeError as caught:
+            status, error, pieces = RegionStatus.DECODE_FAILED, caught, []
+            region_indices = torch.empty(0, dtype=torch.int64, device=device)
+            sums = torch.empty(0, dtype=torch.float32, device=device)
+        return SparseReduceScatterResult(region_indices, sums, bounds[me], lengths[me], torch.cat(contributed),
+                                         status, error, sent, tuple(pieces))
+
+    return Launched(work, finish, collective)
 
 
 def _capacities(codec: Optional[RegionCodec], most: Optional[Sequence[int]], lengths: list[int], wide: bool,

@@ -137,8 +137,11 @@ class Exchange:
     :mod:`gradwire.lifetime`)."""
 
     def __init__(self, context: ExchangeContext, group: Group, launched: Optional[Launched] = None,
-                 finish: Optional[Callable[[Any], None]] = None) -> None:
+                 finish: Optional[Callable[[Any], None]] = None, *, book_seconds: bool = True) -> None:
         self.context, self.group, self.launched, self.finish = context, group, launched, finish
+        #: whether completing books launch-to-completion as ``seconds_communicate`` (False: the
+        #: front-end books the wait itself, when other work ran between launch and completion)
+        self.book_seconds = book_seconds
         self.step = context.step
         self.started = time.perf_counter()
         self.completed = launched is None
@@ -169,8 +172,8 @@ class Exchange:
                 value = launched.result(timeout)
             except BaseException as error:
                 raise collective_failed(launched.collective, self.step, error) from error
-            # launch to completion as the hook's thread saw it: an upper bound on time on the wire
-            self.context.stats.add("seconds_communicate", time.perf_counter() - self.started)
+            if self.book_seconds:  # launch to completion as the hook's thread saw it: an upper bound on the wire
+                self.context.stats.add("seconds_communicate", time.perf_counter() - self.started)
             if self.finish is not None:
                 self.finish(value)
         except BaseException as error:  # recorded; the round's end makes every rank fail together

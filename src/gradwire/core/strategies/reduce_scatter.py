@@ -2,7 +2,9 @@
 
 A shard group's target is a :class:`~gradwire.core.group.ShardTarget`: the flat input ``(p s,)``
 chunk by rank, rank j of the target's process group owning ``[j s, (j+1) s)``. Three strategies,
-started like every other (``start(group)``), each blocking on the front-end's thread:
+started like every other (``start(group)``): the start encodes and launches the collective, and
+completing the returned exchange (on the front-end's thread, when it chooses) waits, decodes, sums,
+divides and writes the shard; with HSDP's replicas both stages run at the start, blocking:
 
 * :class:`DenseReduceScatter` — warm-up, ``compressor="none"``: ``reduce_scatter_tensor`` (SUM) of
   the raw gradients in their dtype, what plain FSDP2 sends;
@@ -48,8 +50,10 @@ import torch.distributed as dist
 
 from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.checked import reduce_scatter_single, wait_checked
-from ...exchange.quantized import quantized_reduce_scatter
-from ...exchange.sparse_reduce_scatter import RegionStatus, sparse_reduce_scatter
+from ...exchange.inflight import Launched
+from ...exchange.quantized import QuantizedReduceScatterResult, start_quantized_reduce_scatter
+from ...exchange.sparse_reduce_scatter import (RegionStatus, SparseReduceScatterResult,
+                                               start_sparse_reduce_scatter)
 from ...lifetime import track
 from ...sparsify.base import Sparsifier
 from ..digest import balanced_share, chain_share, digest_of
@@ -76,18 +80,45 @@ class ShardStrategy(ExchangeStrategy):
         self.held: list = []
 
     def start(self, group: Group) -> Exchange:
+        """Launch the reduce-scatter of ``group``. Without replicas the collective stays in flight:
+        completing the returned :class:`Exchange` waits, decodes, divides and writes (a front-end
+        may do other work meanwhile: FSDP2's backward of the next module). With replicas (HSDP)
+        both stages run now, blocking: the second stage's collectives must start in the same
+        order on every rank, which only the caller's thread at a fixed point guarantees."""
         self.held = []
-        run_guarded(group, lambda: self._run(group))
-        return Exchange(self.context, group)
+        target = group.target
+        assert isinstance(target, ShardTarget), "a reduce-scatter strategy needs a ShardTarget"
+        if target.replicas is not None:
+            run_guarded(group, lambda: self._run(group))
+            return Exchange(self.context, group)
+        launched: list[Launched[Optional[torch.Tensor]]] = []
+        run_guarded(group, lambda: launched.append(self.launch(group)))
+        if not launched:  # failed before anything was in flight (recorded on the group)
+            return Exchange(self.context, group)
+        # the front-end books the wait (FSDP2: at the step's end); launch to completion would count
+        # the backward that ran meanwhile as communication
+        return Exchange(self.context, group, launched[0], finish=lambda shard: self._write(group, shard),
+                        book_seconds=False)
 
     def reset(self) -> None:
         for _, strategy in self._replicas.values():
             strategy.reset()
 
-    def reduce_scatter(self, group: Group) -> Optional[torch.Tensor]:
-        """This rank's shard summed over the shard group, float32 ``(s,)`` undivided; or None after
-        marking the group (non-finite, failed)."""
+    def launch(self, group: Group) -> Launched[Optional[torch.Tensor]]:
+        """Start the shard group's reduce-scatter; the result is this rank's shard summed over the
+        shard group, float32 ``(s,)`` undivided, or None after marking the group (non-finite,
+        failed). Raises what fails before or at the start."""
         raise NotImplementedError
+
+    def reduce_scatter(self, group: Group) -> Optional[torch.Tensor]:
+        """:meth:`launch`, waited for here (the blocking form, for HSDP's first stage)."""
+        launched = self.launch(group)
+        if launched.work is not None:
+            self.held.append(launched.work)  # until the next call, not a backend thread's last reference
+            with self.context.stats.timer("communicate"):
+                wait_checked(launched.work, f"{self.name} of step {self.context.step}", launched.collective,
+                             keep=False)
+        return launched.result()
 
     def replica_strategy(self, context: ExchangeContext) -> ExchangeStrategy:
         """The family's AllReduce over a replicate group's ``context``."""
@@ -99,14 +130,16 @@ class ShardStrategy(ExchangeStrategy):
     # --------------------------------------------------------------------------------- frame
     def _run(self, group: Group) -> None:
         target = group.target
-        assert isinstance(target, ShardTarget), "a reduce-scatter strategy needs a ShardTarget"
+        assert isinstance(target, ShardTarget) and target.replicas is not None
         shard: Optional[torch.Tensor] = None
         try:
             shard = self.reduce_scatter(group)
-        except BaseException as error:  # recorded; with replicas this rank still takes part below
+        except BaseException as error:  # recorded; this rank still takes part in the replicas' stage
             group.mark_failed(error)
-        if target.replicas is not None:
-            shard = self._across_replicas(group, shard)
+        self._write(group, self._across_replicas(group, shard))
+
+    def _write(self, group: Group, shard: Optional[torch.Tensor]) -> None:
+        """Divide the summed shard and write it (None, or a group already marked: nothing)."""
         if shard is None or group.status != Status.PENDING:
             return
         shard.div_(group.divisor)
@@ -170,7 +203,7 @@ class DenseReduceScatter(ShardStrategy):
 
     name = "dense-reduce-scatter"
 
-    def reduce_scatter(self, group: Group) -> Optional[torch.Tensor]:
+    def launch(self, group: Group) -> Launched[Optional[torch.Tensor]]:
         target = group.target
         assert isinstance(target, ShardTarget)
         flat = target.flat_input()
@@ -180,7 +213,7 @@ class DenseReduceScatter(ShardStrategy):
         shard = torch.empty(target.shard_numel, dtype=flat.dtype, device=flat.device)
         self.context.stats.add("bytes_sent", float((target.shards - 1) * shard.numel() * flat.element_size()))
         self.context.stats.add("count_dense_reduce_scatter_buckets", 1)
-        if target.shards > 1:
+        if target.shards > 1:  # blocking: gloo's Work for it never reports is_completed(), so it cannot be polled
             try:
                 work = reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=target.group, async_op=True)
             except RuntimeError as error:
@@ -192,12 +225,16 @@ class DenseReduceScatter(ShardStrategy):
                              keep=False)
         else:
             shard.copy_(flat)
-        group.balanced_digest, group.digest = True, 0
-        shard = shard.to(torch.float32)
-        if not all_finite(shard):
-            group.mark_nonfinite()
-            return None
-        return shard
+
+        def finish() -> Optional[torch.Tensor]:
+            group.balanced_digest, group.digest = True, 0
+            summed = shard.to(torch.float32)
+            if not all_finite(summed):
+                group.mark_nonfinite()
+                return None
+            return summed
+
+        return Launched(None, finish, "reduce_scatter_tensor")
 
     def replica_strategy(self, context: ExchangeContext) -> ExchangeStrategy:
         return DenseAllReduce(context)
@@ -214,7 +251,7 @@ class QuantizedReduceScatter(ShardStrategy):
         super().__init__(context)
         self.feedback, self.bits, self.block_size = feedback, bits, block_size
 
-    def reduce_scatter(self, group: Group) -> Optional[torch.Tensor]:
+    def launch(self, group: Group) -> Launched[Optional[torch.Tensor]]:
         context, target = self.context, group.target
         assert isinstance(target, ShardTarget)
         with context.stats.timer("encode"):
@@ -226,15 +263,22 @@ class QuantizedReduceScatter(ShardStrategy):
                         flat[entry.offset: entry.offset + entry.numel] += residual.to(flat.dtype)
             if not group.finite:  # owner 0 decodes a NaN block: every rank learns it at the agreement
                 flat[:1] = math.nan
-        try:
-            with context.stats.timer("communicate"):
-                result = quantized_reduce_scatter(flat, bits=self.bits, block_size=self.block_size,
-                                                  group=target.group, segments=_segments(group))
-        except CollectiveError:
-            raise
-        except RuntimeError as error:
-            raise collective_failed("quantized reduce-scatter", context.step, error) from error
-        self.held.extend(result.works)
+            try:
+                started = start_quantized_reduce_scatter(flat, bits=self.bits, block_size=self.block_size,
+                                                         group=target.group, segments=_segments(group))
+            except CollectiveError:
+                raise
+            except RuntimeError as error:
+                raise collective_failed("quantized reduce-scatter", context.step, error) from error
+            if self.feedback is not None:  # known now: held in the storage dtype while the exchange travels
+                for entry in group.entries:
+                    error = started.error[entry.offset: entry.offset + entry.numel]
+                    group.keep_residual(entry, self.feedback.held_copy(error, accumulation_dtype(entry.grad)))
+        return started.launched.map(lambda result: self._finish(group, result))
+
+    def _finish(self, group: Group, result: QuantizedReduceScatterResult) -> Optional[torch.Tensor]:
+        context, target = self.context, group.target
+        assert isinstance(target, ShardTarget)
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_quantized_reduce_scatter_buckets", 1)
         with context.stats.timer("decode"):
@@ -243,13 +287,9 @@ class QuantizedReduceScatter(ShardStrategy):
             group.digest = balanced_share([(j, [row]) for j, row in enumerate(result.chunks_sent)],
                                           [(r, [row]) for r, row in enumerate(result.chunks_received)],
                                           rank=target.index, salt=self._salt(group))
-            if not bool(result.finite):
+            if not bool(result.finite):  # (the residuals kept at the start apply only if the round does)
                 group.mark_nonfinite()
                 return None
-            if self.feedback is not None:
-                for entry in group.entries:  # held in the storage dtype while the step's other modules run
-                    error = result.error[entry.offset: entry.offset + entry.numel]
-                    group.keep_residual(entry, self.feedback.held_copy(error, accumulation_dtype(entry.grad)))
             return result.shard
 
     def replica_strategy(self, context: ExchangeContext) -> ExchangeStrategy:
@@ -292,7 +332,7 @@ class SparseReduceScatter(ShardStrategy):
                 self._most[key] = most
         return self._most[key]
 
-    def reduce_scatter(self, group: Group) -> Optional[torch.Tensor]:
+    def launch(self, group: Group) -> Launched[Optional[torch.Tensor]]:
         context, target = self.context, group.target
         assert isinstance(target, ShardTarget)
         with context.stats.timer("encode"):
@@ -300,20 +340,28 @@ class SparseReduceScatter(ShardStrategy):
             if not group.finite:  # owner 0 sums a NaN: every rank learns it at the agreement
                 positions = torch.zeros(1, dtype=torch.int64, device=target.device)
                 values = torch.full((1,), math.nan, device=target.device)
-        self.codec.error = None
-        bounds = target.boundaries()
-        try:  # (encoding and decoding happen inside: timed as communication here)
-            with context.stats.timer("communicate"):
-                result = sparse_reduce_scatter(indices=positions, values=values, numel=group.numel,
-                                               boundaries=bounds, group=target.group, codec=self.codec,
-                                               what=f"sparse reduce-scatter of step {context.step}",
-                                               most=self.most_per_shard(group, bounds))
-        except (DecodeError, CollectiveError) as error:
-            raise (self.codec.error or error)
-        except RuntimeError as error:
-            raise collective_failed("sparse reduce-scatter", context.step, error) from error
-        if self.codec.error is not None:  # its peers could not decode what it sent: they fail too
-            raise self.codec.error
+            self.codec.error = None
+            bounds = target.boundaries()
+            try:
+                started = start_sparse_reduce_scatter(indices=positions, values=values, numel=group.numel,
+                                                      boundaries=bounds, group=target.group, codec=self.codec,
+                                                      what=f"sparse reduce-scatter of step {context.step}",
+                                                      most=self.most_per_shard(group, bounds))
+            except (DecodeError, CollectiveError) as error:
+                raise (self.codec.error or error)
+            except RuntimeError as error:
+                raise collective_failed("sparse reduce-scatter", context.step, error) from error
+        # an encoder error sent bytes no owner decodes: its peers fail too, and this rank raises it
+        # once the exchange is over (the next module's launch reuses the adapter)
+        refused = self.codec.error
+        return started.map(lambda result: self._finish(group, result, positions, bounds, refused))
+
+    def _finish(self, group: Group, result: SparseReduceScatterResult, positions: torch.Tensor,
+                bounds: list[int], refused: Optional[BaseException]) -> Optional[torch.Tensor]:
+        context, target = self.context, group.target
+        assert isinstance(target, ShardTarget)
+        if refused is not None:
+            raise refused
         context.stats.add("bytes_sent", float(result.bytes_sent))
         context.stats.add("count_sparse_reduce_scatter_buckets", 1)
         if "reduce-scatter counts" not in result.sent_by_collective and target.shards > 1:
