@@ -409,15 +409,15 @@ def worker_all_gather(rank: int, world_size: int, name: str, steps: int, corrupt
         linear.register_forward_pre_hook(lambda module, args, index=index: seen.__setitem__(
             index, module.weight.detach().float().clone()))
     if corrupt and rank == 1:  # a byte of rank 0's codes changed on its way to rank 1, at step 1
-        honest = all_gather_module.allgather_tensor
+        honest = all_gather_module.received_codes
 
-        def flipping(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            gathered = honest(tensor, *args, **kwargs)
+        def flipping(gathered: torch.Tensor, ranks: int) -> torch.Tensor:
+            rows = honest(gathered, ranks)
             if state.iteration == 1:
-                gathered[0, -1] ^= 0x10
-            return gathered
+                rows[0, -1] ^= 0x10
+            return rows
 
-        all_gather_module.allgather_tensor = flipping
+        all_gather_module.received_codes = flipping
     optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
     worst, losses, outcome = 0.0, [], {}
     for step in range(steps):
@@ -605,3 +605,56 @@ def test_compress_refuses_what_it_cannot_do_and_honours_async_op() -> None:
         assert "does not apply to a reduce-scatter" in out["collective"]
         assert "all_gather='int2' is not supported; allowed: None, int8, int4" in out["gather"]
         assert out["async"] == "True True True", out
+
+
+def worker_deferral(rank: int, world_size: int, options: dict, steps: int, gather: Optional[str],
+                    accumulate: bool) -> dict:
+    """Train two copies of one model, one with ``defer=True`` and one with ``defer=False``, on the
+    same batches: what each step applied, and how many reduce-scatters stayed in flight. With
+    ``accumulate`` the gradients are zeroed, not set to None, so FSDP2 adds the reduced shard to
+    them and no exchange may stay in flight."""
+    import gradwire.fsdp
+
+    models = [_shard(_model()), _shard(_model())]
+    states = [gradwire.fsdp.compress(model, all_gather=gather, defer=defer, **options)
+              for model, defer in zip(models, (True, False))]
+    optimizers = [torch.optim.Adam(model.parameters(), lr=0.02) for model in models]
+    before_step: list[list[str]] = []
+    for step in range(steps):
+        inputs, targets = _batch(rank, step)
+        grads = []
+        for model, state, optimizer in zip(models, states, optimizers):
+            optimizer.zero_grad(set_to_none=not accumulate)
+            raised, error = _backward(state, model, inputs, targets)
+            assert not raised, error
+            grads.append(_digest(_full(p.grad for p in model.parameters())))
+            optimizer.step()
+        before_step.append(grads)
+    deferred = [state.stats().get("count_deferred_reduce_scatters", 0.0) for state in states]
+    return {"grads": before_step, "deferred": deferred, "parameters": [_digest(_full(m.parameters())) for m in models],
+            "modules": len(states[0].units)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, world_size, gather", [("int8", 2, "int8"), ("topk", 3, None), ("int4", 4, "int4")])
+def test_deferred_reduce_scatters_write_what_completed_ones_write(name: str, world_size: int,
+                                                                 gather: Optional[str]) -> None:
+    """defer=True (the default) leaves every module's exchange in flight until the step's last
+    module's call, and the gradients the optimizer reads are bit for bit those of completing each
+    exchange inside FSDP2's call (defer=False)."""
+    steps = 5
+    for result in run_workers(worker_deferral, world_size, SETTINGS[name], steps, gather, False, timeout=240):
+        assert all(deferred == completed for deferred, completed in result["grads"]), result["grads"]
+        assert result["parameters"][0] == result["parameters"][1]
+        # every module's, each step (the last module's too, completed at once with the others)
+        assert result["deferred"] == [float(steps * result["modules"]), 0.0], result["deferred"]
+
+
+@pytest.mark.timeout(300)
+def test_accumulating_gradients_complete_every_exchange_inside_fsdps_call() -> None:
+    """FSDP2 adds the reduced shard to gradients that exist, right after the call: nothing may stay
+    in flight then (after the first step, which has no gradients yet), and the result is the same
+    as completing at once."""
+    for result in run_workers(worker_deferral, 2, SETTINGS["int8"], 3, None, True, timeout=240):
+        assert all(deferred == completed for deferred, completed in result["grads"]), result["grads"]
+        assert result["deferred"] == [float(result["modules"]), 0.0], result["deferred"]

@@ -184,6 +184,9 @@ def check_method(spec_text: str, fsdp: bool = False) -> None:
             momentum = options.pop("momentum", None)
             if momentum is not None and not fsdp:
                 raise ValueError("momentum= is 1-bit Adam's exchange for FSDP2's reduce-scatter; it needs --fsdp")
+            if options.pop("defer", None) is not None and not fsdp:
+                raise ValueError("defer= is gradwire.fsdp.compress's (when FSDP2's collectives complete); "
+                                 "it needs --fsdp")
             gradwire.CommHookState(**options)  # no model, no process group: checks only
             if fsdp:
                 from ..errors import check_choice

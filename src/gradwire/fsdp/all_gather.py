@@ -48,7 +48,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 import xxhash
 
 from ..exchange import blockquant
-from ..exchange.checked import allgather_tensor, time_limit
+from ..errors import CollectiveError
+from ..exchange.checked import allgather_tensor, time_limit, wait_checked
+from ..lifetime import track
 
 #: all_gather= choices -> bits
 ALL_GATHER_BITS = {"int8": 8, "int4": 4}
@@ -86,6 +88,12 @@ def _hash_rows(rows: torch.Tensor) -> list[int]:
     return [xxhash.xxh3_64_intdigest(memoryview(row)) for row in host]
 
 
+def received_codes(gathered: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The codes as they arrived, ``(p, Q)`` uint8, row r from rank r (what step 3 decodes and step 4
+    hashes; one place where a test can change them in flight)."""
+    return gathered.reshape(ranks, -1)
+
+
 class QuantizedAllGather(AllGather):
     """FSDP2's ``AllGather`` for one module: ``comm(output, input, group, async_op)`` (module docstring).
 
@@ -99,11 +107,15 @@ class QuantizedAllGather(AllGather):
         stats: where bytes and seconds are counted (shared by a model's modules).
         exact_now: True while every call should gather exactly (the exchange's warm-up steps); the
             same answer on every rank at every call (it reads the rank-agreed step count).
+        overlap: return the gather in flight (:class:`PendingGather`), for FSDP2 to complete where it
+            reads the parameters; False: complete it inside the call.
     """
 
     def __init__(self, segments: Sequence[int], *, bits: int, block_size: int, timeout: float,
-                 stats: AllGatherStats, tag: int = 0, exact_now: Callable[[], bool] = lambda: False) -> None:
+                 stats: AllGatherStats, tag: int = 0, exact_now: Callable[[], bool] = lambda: False,
+                 overlap: bool = True) -> None:
         blockquant.check_options(bits, block_size)
+        self.overlap = overlap
         self.exact_now = exact_now
         self.segments = list(segments)
         self.tag = tag
@@ -126,32 +138,52 @@ class QuantizedAllGather(AllGather):
         self.stats.bytes_dense += (ranks - 1) * numel * input_tensor.element_size()
         if input_tensor.dtype not in _FLOATS or sum(self.segments) != numel or self.exact_now():
             self._exact(output_tensor, input_tensor, group)
-        else:
-            self._quantized(output_tensor, input_tensor, group, ranks, numel)
+            self.stats.seconds += time.perf_counter() - started
+            return CompletedWork() if async_op else None
+        pending = self._start_quantized(output_tensor, input_tensor, group, ranks, numel)
         self.stats.seconds += time.perf_counter() - started
-        return CompletedWork() if async_op else None
+        if not self.overlap:
+            pending.wait()
+            return CompletedWork() if async_op else None
+        return pending
 
-    def _quantized(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, ranks: int,
-                   numel: int) -> None:
+    def _start_quantized(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, ranks: int,
+                         numel: int) -> "PendingGather":
+        """Steps 1 and 2's start: the codes go out now; FSDP's copy-out waits (steps 2-4, :class:`PendingGather`)."""
         codes = blockquant.quantize(input.detach().float(), bits=self.bits, block_size=self.block_size,
                                     segments=self.segments)
         self.stats.bytes_sent += (ranks - 1) * codes.numel()
-        with time_limit(self.timeout):
-            gathered = allgather_tensor(codes, group, what="gradwire.fsdp all-gather (quantized parameters)",
-                                        collective="all_to_all_single")
-        values = blockquant.dequantize(gathered, numel, bits=self.bits, block_size=self.block_size,
-                                       segments=self.segments)
-        output.view(ranks, numel).copy_(values)  # own shard too: every rank computes with the same values
-        self._fold_digest(codes, gathered, group.rank(), ranks)
+        gathered = torch.empty(ranks * codes.numel(), dtype=codes.dtype, device=codes.device)
+        what = "gradwire.fsdp all-gather (quantized parameters)"
+        try:
+            work = dist.all_to_all_single(gathered, codes.reshape(-1).repeat(ranks), group=group, async_op=True)
+        except RuntimeError as error:
+            raise CollectiveError(f"{what}: all_to_all_single could not start: {error}") from error
+        track(work)
+        call, rank = self.stats.calls, group.rank()
 
-    def _fold_digest(self, codes: torch.Tensor, gathered: torch.Tensor, rank: int, ranks: int) -> None:
-        """Step 4: this rank's share of the balanced digest (module docstring)."""
+        def finish() -> None:
+            import time
+
+            started = time.perf_counter()
+            with time_limit(self.timeout):
+                wait_checked(work, what, "all_to_all_single", keep=False)
+            rows = received_codes(gathered, ranks)
+            values = blockquant.dequantize(rows, numel, bits=self.bits, block_size=self.block_size,
+                                           segments=self.segments)
+            output.view(ranks, numel).copy_(values)  # own shard too: every rank computes with the same values
+            self._fold_digest(codes, rows, rank, ranks, call)
+            self.stats.seconds += time.perf_counter() - started
+
+        return PendingGather(finish, work)
+
+    def _fold_digest(self, codes: torch.Tensor, gathered: torch.Tensor, rank: int, ranks: int, call: int) -> None:
+        """Step 4: this rank's share of the balanced digest (module docstring) of gather number ``call``."""
         hashes = _hash_rows(gathered)
         own = _hash_rows(codes.reshape(1, -1))[0]
         # the call's ordinal is in the tag: every rank gathers in the same order, and a module gathered
         # twice in a step (forward, then backward after a reshard) sends the same codes twice, whose
         # shares would cancel under XOR without it
-        call = self.stats.calls
         share = 0
         for peer in range(ranks):
             if peer != rank:
@@ -181,3 +213,32 @@ class CompletedWork(dist.Work):
 
     def is_success(self) -> bool:
         return True
+
+
+class PendingGather(dist.Work):
+    """A quantized gather in flight, what :class:`QuantizedAllGather` returns whether or not FSDP asked
+    for ``async_op``: FSDP2 keeps the returned ``Work`` and waits on it in its copy-out, right before
+    it reads the unsharded parameters. So a gather FSDP prefetches (the previous module's, issued at
+    each module's pre-backward) moves its codes while this module's backward computes, where a
+    blocking call would hold the thread for the transfer. ``wait`` finishes the exchange once: waits
+    within the timeout (``CollectiveError`` if a peer is dead), dequantizes into FSDP's output and
+    folds the digest; the digest is taken at the step's last reduction, which comes after every
+    copy-out of the step.
+    """
+
+    def __init__(self, finish: Callable[[], None], work: Any) -> None:
+        super().__init__()
+        self._finish: Optional[Callable[[], None]] = finish
+        self._work = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        finish, self._finish = self._finish, None  # once, even when it raises
+        if finish is not None:
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+    def is_success(self) -> bool:
+        return self._finish is None

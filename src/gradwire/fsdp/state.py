@@ -7,9 +7,17 @@
 2. each call (one per module per step, on backward's thread) is one module's part of the step's
    round of the core: a :class:`~gradwire.core.group.Group` over FSDP's flat input, one entry per
    (parameter, destination chunk) (:mod:`.layout`), a :class:`~gradwire.core.group.ShardTarget`
-   whose result is FSDP's output shard, ``Pipeline.start`` then ``Pipeline.complete``: the shard is
-   written (or the group failed) before the call returns, as FSDP needs, but nothing is agreed yet
-   and no residual changes;
+   whose result is FSDP's output shard, and ``Pipeline.start``, which encodes it and launches its
+   collective. FSDP2 then only views the output as the module's sharded gradients, so the
+   exchange stays in flight while the backward goes on (``compress(defer=True)``, the default)
+   and is completed — waited for, decoded, written, or its group failed — at the step's last
+   module, before the agreement; the transfer overlaps the next modules' backward instead of
+   holding the thread. Where FSDP2 reads the output right after the call (it divides a ``SUM``
+   afterwards, casts to the parameters' dtype, accumulates into existing gradients, offloads to
+   the CPU, or runs an all-reduce or post-accumulate-grad hook) and with HSDP, the call completes
+   its exchange before returning (:meth:`FSDPCompressionState._may_defer`). A callback queued at
+   the backward's end completes anything still in flight, so no optimizer step reads an unwritten
+   gradient; nothing is agreed yet and no residual changes;
 3. at the step's last module (every module has reduced once), one ``Pipeline.agree`` over all of
    the step's groups, and the verdict: apply (every module's residuals change), skip (zeros: this
    module's shard and the sharded gradients FSDP already took from the earlier ones), or raise on
@@ -32,6 +40,7 @@ verdict, and residuals that change only when both stages succeeded on every rank
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
@@ -44,7 +53,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..core import checkpoint
 from ..core.config import ExchangeConfig
 from ..core.feedback import ErrorFeedback
-from ..core.group import Entry, Group, Replicas, ShardTarget
+from ..core.group import Entry, Group, Replicas, ShardTarget, Status
 from ..core.pipeline import Pipeline
 from ..core.round import RAISE, SKIP
 from ..core.strategies import Exchange
@@ -79,12 +88,26 @@ class _Unit:
 
 @dataclass
 class _Reduced:
-    """One module's completed part of the step's round."""
+    """One module's part of the step's round: completed, or in flight until the step's end (``deferred``)."""
 
     unit: _Unit
     group: Group
     exchange: Exchange
     output: torch.Tensor
+    deferred: bool = False
+
+
+def _grads_view(unit: _Unit, output: torch.Tensor) -> bool:
+    """Whether every sharded gradient FSDP assigned from ``unit``'s reduce-scatter lies in ``output``'s storage."""
+    storage = output.untyped_storage().data_ptr()
+    for fsdp_param in getattr(unit.param_group, "fsdp_params", ()):
+        grad = getattr(fsdp_param.sharded_param, "grad", None)
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.numel() and local.untyped_storage().data_ptr() != storage:
+            return False
+    return True
 
 
 def _zero_sharded_grads(unit: _Unit) -> None:
@@ -149,6 +172,10 @@ class FSDPCompressionState:
         #: the typed error of the last round that failed (FSDP's autograd hooks may re-wrap it)
         self.error: Optional[BaseException] = None
         self._called: set[int] = set()
+        #: whether an end-of-backward callback is queued for this backward (see _end_of_backward_armed)
+        self._armed = False
+        #: let a module's exchange stay in flight until the step's last module (compress(defer=...))
+        self.defer = True
         #: the last step's collectives' ``Work``, held until the next step (Exchange.works)
         self._last_round: list[Any] = []
         #: this step's modules so far: completed (written or failed), agreed at the step's last module
@@ -298,20 +325,89 @@ class FSDPCompressionState:
         round_group = Group(target, entries, divisor=self.divisor(unit, op, shard_size))
         step = self.iteration
         exchange = self.pipeline.start(round_group, step)
-        self.pipeline.complete([round_group], [exchange], step)  # written (or failed); nothing agreed yet
+        in_flight = exchange.launched is not None and exchange.launched.work is not None
+        deferred = in_flight and self._may_defer(unit, output, op)
+        if not deferred:
+            self._complete([round_group], [exchange])  # written (or failed); nothing agreed yet
         # the round waits for the step's last module: let FSDP free this module's unsharded gradient
         # meanwhile (held by every module until the agreement it was ~180 MB of step memory more at
-        # 25.5M parameters, 4 ranks: docs/fsdp.md, "Peak memory per rank")
+        # 25.5M parameters, 4 ranks: docs/fsdp.md, "Peak memory per rank"); an exchange in flight
+        # reads only its own buffers from here on
         round_group.release_exchange_inputs()
-        self._pending.append(_Reduced(unit, round_group, exchange, output))
+        self._pending.append(_Reduced(unit, round_group, exchange, output, deferred))
         self._called.add(index)
         if len(self._called) == len(self.units):
             self._close_step()
+
+    def _may_defer(self, unit: _Unit, output: torch.Tensor, op: Any) -> bool:
+        """Whether ``unit``'s exchange may stay in flight until the step's last module (module
+        docstring, step 2): FSDP2 must do nothing with ``output`` after this call but view it as
+        the sharded gradients, which it does unless it divides it afterwards (``SUM``), casts it
+        to the parameters' dtype (a copy), adds it to gradients that exist (accumulation), copies
+        it to the CPU (offloading), or hands it to an all-reduce hook or a post-accumulate-grad
+        hook. Anything else: completed now, as before. Deferred or not, the collectives start in
+        the same order on every rank, so ranks may differ in this answer."""
+        if not self.defer or op == dist.ReduceOp.SUM or unit.replicas is not None:
+            return False
+        if getattr(unit.param_group, "_all_reduce_hook", None) is not None:
+            return False
+        for fsdp_param in getattr(unit.param_group, "fsdp_params", ()):
+            sharded = fsdp_param.sharded_param
+            if (sharded.grad is not None or getattr(fsdp_param, "offload_to_cpu", False)
+                    or getattr(sharded, "_post_accumulate_grad_hooks", None) or sharded.dtype != output.dtype):
+                return False
+        return self._end_of_backward_armed()
+
+    def _end_of_backward_armed(self) -> bool:
+        """Queue, once per backward, a callback at its end that completes what is still in flight
+        (the step's last module normally has; this guards a step that ended without it, so the
+        optimizer never reads a gradient that was not written). False outside a backward."""
+        if self._armed:
+            return True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        except RuntimeError:  # not inside a backward (a direct call): complete now
+            return False
+        self._armed = True
+        return True
+
+    def _backward_ended(self) -> None:
+        self._armed = False
+        if any(reduced.deferred for reduced in self._pending):
+            self._complete_deferred(self._pending)
+
+    def _complete(self, groups: list[Group], exchanges: list[Exchange]) -> None:
+        """``Pipeline.complete`` of ``exchanges``, its wait booked as ``seconds_communicate`` (their
+        decoding is ``seconds_decode``, not counted twice)."""
+        stats = self.pipeline.stats
+        decoding = stats.current["seconds_decode"]
+        began = time.perf_counter()
+        self.pipeline.complete(groups, exchanges, self.iteration)
+        stats.add("seconds_communicate", time.perf_counter() - began - (stats.current["seconds_decode"] - decoding))
+
+    def _complete_deferred(self, pending: list[_Reduced]) -> None:
+        """Wait for and write every deferred module's shard (or fail its group), in start order;
+        the wait is booked as ``seconds_communicate`` (decoding as ``seconds_decode``, not twice)."""
+        deferred = [reduced for reduced in pending if reduced.deferred]
+        if not deferred:
+            return
+        self._complete([r.group for r in deferred], [r.exchange for r in deferred])
+        self.pipeline.stats.add("count_deferred_reduce_scatters", float(len(deferred)))
+        for reduced in deferred:
+            reduced.deferred = False
+            if reduced.group.status == Status.WRITTEN and not _grads_view(reduced.unit, reduced.output):
+                # FSDP took a copy, not a view: the write did not reach the gradients (a torch
+                # change this module's checks did not foresee); no rank may step on that
+                reduced.group.mark_failed(RuntimeError(
+                    f"gradwire.fsdp: module {reduced.unit.name or '<root>'!r}'s gradients are not views of its "
+                    "reduce-scatter output, so the deferred write did not reach them; compress(defer=False)"))
 
     def _close_step(self) -> None:
         """The step's one agreement over every module's group (one AllGather of 16 bytes per rank,
         not one per module): apply, skip or raise on every rank alike."""
         pending, self._pending = self._pending, []
+        self._armed = False  # the next module's call arms the next backward (also after one that raised)
+        self._complete_deferred(pending)
         groups = [reduced.group for reduced in pending]
         if self.all_gather_stats is not None and groups and groups[-1].balanced_digest:
             # the parameter all-gathers of this step: their balanced share joins the round's digest
@@ -349,7 +445,7 @@ class FSDPCompressionState:
 
 
 def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_gather: Optional[str] = None,
-             momentum: Optional[float] = None, **options: Any) -> FSDPCompressionState:
+             momentum: Optional[float] = None, defer: bool = True, **options: Any) -> FSDPCompressionState:
     """Install gradwire's compressed reduce-scatter on every ``FSDPModule`` in ``model``.
 
     Call it on every rank after ``fully_shard`` and before the first backward.
@@ -374,6 +470,11 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
             ``b1 s + (1 - b1) g`` (``s``: what it sent the step before) through the sparsifier
             with error feedback, and the optimizer must be :class:`~gradwire.fsdp.MomentumAdamW`
             built on this state. For AdamW with top-k: docs/fsdp.md. None (default): gradients.
+        defer: True (default): a module's reduce-scatter stays in flight while the backward goes
+            on and is completed (waited, decoded, written) at the step's last module, where FSDP2
+            allows it (module docstring, step 2), and a quantized all-gather is completed where
+            FSDP2 reads its result (a prefetched one travels during the current module's backward);
+            False: every collective completes inside FSDP2's call.
 
     Returns:
         The :class:`FSDPCompressionState` (``stats()``, ``state_dict()``, ``load_state_dict()``,
@@ -389,7 +490,9 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
             options.setdefault("compressor", "none")
         config = ExchangeConfig(**options)
     check_choice("all_gather", all_gather, (None, *ALL_GATHER_BITS))
+    check_choice("defer", defer, (True, False))
     state = FSDPCompressionState(model, config, momentum=momentum)
+    state.defer = defer
     for unit in state.units:
         for module in _modules_of(model, unit):
             module.set_custom_reduce_scatter(CompressedReduceScatter(state, unit))
@@ -411,7 +514,7 @@ def compress(model: nn.Module, *, config: Optional[ExchangeConfig] = None, all_g
                     timeout=config.collective_timeout, stats=state.all_gather_stats, tag=state.units.index(unit),
                     # the warm-up's steps compute with the exact parameters too; the (rank-agreed)
                     # iteration advances at the step's last reduction, after every gather of the step
-                    exact_now=lambda: state.iteration < config.warmup_steps))
+                    exact_now=lambda: state.iteration < config.warmup_steps, overlap=defer))
     return state
 
 

@@ -36,6 +36,7 @@ HOOK_KEYS = {
     "ef": ("error_feedback", "bool"),
     "ef_decay": ("feedback_decay", float),
     "gather": ("all_gather", str),
+    "defer": ("defer", "bool"),
     "momentum": ("momentum", float),
     "momentum_correction": ("momentum_correction", float),
     "warmup_steps": ("warmup_steps", int),
@@ -57,7 +58,7 @@ HOOK_KEYS = {
 TORCH_KEYS = {"torch-powersgd": {"rank": int, "start_iter": int}, "torch-fp16": {}, "allreduce": {}}
 #: ``quantize:bits=8,block=128``: gradwire's dense AllReduce of int8/int4 blocks (error feedback on)
 QUANTIZE_KEYS = {"bits": int, "block": int, "ef": "bool", "ef_decay": float, "warmup_steps": int, "residuals": str,
-                 "gather": str}
+                 "gather": str, "defer": "bool"}
 PUFFERFISH_KEYS = {"rank_ratio": float, "warmup_epochs": int, "carry_momentum": "bool", "extra_bn": "bool"}
 #: ``diloco:sync_every=16,...``: local steps; a communication part joined by ``+`` compresses the outer step
 DILOCO_KEYS = {"sync_every": int, "outer_lr": float, "outer_momentum": float, "nesterov": "bool",
@@ -112,6 +113,8 @@ class MethodSpec:
                 options["feedback_decay"] = chosen["ef_decay"]
             if "gather" in chosen:  # FSDP2 only: the parameter all-gathers too (gradwire.fsdp.compress)
                 options["all_gather"] = chosen["gather"]
+            if "defer" in chosen:  # FSDP2 only (gradwire.fsdp.compress)
+                options["defer"] = chosen["defer"]
             return options
         options: dict[str, Any] = {"compressor": self.communication.name}
         codec_options: dict[str, Any] = {}

@@ -130,6 +130,9 @@ class TrainConfig:
             if not self.fsdp and spec_parsed.communication.name not in TORCH_HOOKS \
                     and "all_gather" in spec_parsed.hook_options():
                 raise ValueError(f"method {spec!r}: gather= quantizes FSDP2's parameter all-gathers; it needs --fsdp")
+            if not self.fsdp and spec_parsed.communication.name not in TORCH_HOOKS \
+                    and "defer" in spec_parsed.hook_options():
+                raise ValueError(f"method {spec!r}: defer= is gradwire.fsdp.compress's; it needs --fsdp")
             if spec_parsed.communication.name not in TORCH_HOOKS and "momentum" in spec_parsed.hook_options() \
                     and not (self.fsdp and self.optimizer == "adamw"):
                 raise ValueError(f"method {spec!r}: momentum= is 1-bit Adam's exchange for FSDP2 "
