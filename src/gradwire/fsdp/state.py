@@ -373,8 +373,15 @@ class FSDPCompressionState:
 
     def _backward_ended(self) -> None:
         self._armed = False
-        if any(reduced.deferred for reduced in self._pending):
-            self._complete_deferred(self._pending)
+        if not any(reduced.deferred for reduced in self._pending):
+            return
+        self._complete_deferred(self._pending)
+        unwritten = [r.unit.name or "<root>" for r in self._pending if r.group.status != Status.WRITTEN]
+        if unwritten:  # the agreement comes with a later call; the optimizer must not read these now
+            raise RuntimeError(f"gradwire.fsdp: step {self.iteration}'s backward ended before its last module's "
+                               f"reduce-scatter, and the exchange of module(s) {', '.join(unwritten)} did not write "
+                               "its gradients; do not step (the next step's agreement fails or skips it on every "
+                               "rank)")
 
     def _complete(self, groups: list[Group], exchanges: list[Exchange]) -> None:
         """``Pipeline.complete`` of ``exchanges``, its wait booked as ``seconds_communicate`` (their
