@@ -9,7 +9,9 @@ the error-feedback scatter add_at at the candidates' fraction of sorted random p
 torch's index_add_, and the threshold's strided sample (sample_magnitudes; the scattered rows with
 the caches flushed before each call, as a step finds them), and the sparse AllReduce's merges of two
 sets of that many sorted positions (sorted_members, union_add) next to torch's searchsorted and its
-unique with index_add_; random normal float32 data, the
+unique with index_add_, and the blockwise int8/int4 quantization (blocks of 128, segments of a few
+thousand values as FSDP2's parameters cut a chunk) of the kernel against blockquant's torch path;
+random normal float32 data, the
 threshold at the (1 - F) quantile of |grad + residual|
 (F = 0.015: top-k 1% and its sampled threshold's margin). Defaults: ResNet-18's 11,173,834 elements.
 """
@@ -110,6 +112,33 @@ def main() -> int:
             ("union_add", lambda: _native.union_add(scattered, sent, other, sent, union_positions, union_values)),
             ("torch unique + index_add_ (the same)", _sorted),
         ]
+    quantization = []
+    if hasattr(_native, "block_quantize"):
+        from gradwire import kernels
+        from gradwire.exchange import blockquant
+
+        length = 8192  # FSDP2-like segments (one per parameter), the last one whatever is left
+        segments = [length] * (args.numel // length) + ([args.numel % length] if args.numel % length else [])
+        flat = torch.from_numpy(grad)
+
+        def _torch_path(call: Callable[[], object]) -> Callable[[], object]:
+            def run() -> object:
+                kernels._compiled, kernels._tried = None, True  # the torch path for this call
+                try:
+                    return call()
+                finally:
+                    kernels._compiled, kernels._tried = _native, True
+            return run
+
+        for bits in (8, 4):
+            packed = blockquant.quantize(flat, bits=bits, block_size=128, segments=segments)
+            trip = lambda bits=bits: blockquant.roundtrip(flat, bits=bits, block_size=128, segments=segments)  # noqa: E731
+            back = lambda bits=bits, packed=packed: blockquant.dequantize(  # noqa: E731
+                packed, args.numel, bits=bits, block_size=128, segments=segments)
+            quantization += [(f"blockquant roundtrip int{bits}, kernel", trip),
+                             (f"blockquant roundtrip int{bits}, torch", _torch_path(trip)),
+                             (f"blockquant dequantize int{bits}, kernel", back),
+                             (f"blockquant dequantize int{bits}, torch", _torch_path(back))]
     found = _native.compensate_scan(grad, residual, out, limit, positions, values, False, True)[0]
     print(f"{args.numel:,} float32, {found:,} at or above the threshold, 1 thread, medians of {args.repeats}")
     for name, call in rows:
@@ -120,6 +149,10 @@ def main() -> int:
     if merges:
         print(f"two sets of {scattered.size:,} sorted positions merged")
     for name, call in merges:
+        print(f"{name:40s} {_median_ms(call, args.repeats):7.2f} ms")
+    if quantization:
+        print("blockwise quantization of the whole tensor, segments of 8,192")
+    for name, call in quantization:
         print(f"{name:40s} {_median_ms(call, args.repeats):7.2f} ms")
     return 0
 

@@ -514,3 +514,38 @@ def bin_counts(keys: np.ndarray, lo: int, hi: int, inner_edges: np.ndarray) -> n
     counts = np.zeros(inner_edges.size + 1, dtype=np.int64)
     _require().bin_counts(keys, lo, hi, inner_edges, counts)
     return counts
+
+
+def block_quantize(x: np.ndarray, *, lengths: np.ndarray, block_size: int, level: int, bits: int,
+                   blocks: int, want_local: bool) -> "tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]":
+    """Blockwise int8/int4 quantization of every row of ``x`` (float32 ``(rows, n)``, C-contiguous),
+    blocks restarting at each of ``lengths`` (int64, summing to ``n``), in one read
+    (``_native.block_quantize``; bit for bit :mod:`gradwire.exchange.blockquant`'s torch path).
+
+    Returns:
+        ``scales`` float32 ``(rows, blocks)``, packed ``codes`` uint8 ``(rows, ceil(n bits / 8))``,
+        and with ``want_local`` the decoded values float32 ``(rows, n)`` (else None).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    rows, n = x.shape
+    scales = np.empty((rows, blocks), dtype=np.float32)
+    codes = np.empty((rows, (n * bits + 7) // 8), dtype=np.uint8)  # every byte written (int4: its low nibble first)
+    local = np.empty((rows, n), dtype=np.float32) if want_local else np.empty((0, 0), dtype=np.float32)
+    _require().block_quantize(x, x.view(np.uint32), lengths, block_size, level, bits, scales, codes, local,
+                              want_local)
+    return scales, codes, local if want_local else None
+
+
+def block_dequantize(scales: np.ndarray, codes: np.ndarray, *, n: int, lengths: np.ndarray, block_size: int,
+                     level: int, bits: int) -> np.ndarray:
+    """``code * scale`` per value (float32 ``(rows, n)``) of codes packed as :func:`block_quantize`
+    packs them, clamped to ``[-level, level]`` first; one pass (``_native.block_dequantize``).
+
+    Raises:
+        RuntimeError: the kernels are not :func:`available`.
+    """
+    out = np.empty((codes.shape[0], n), dtype=np.float32)
+    _require().block_dequantize(scales, codes, lengths, block_size, level, bits, out)
+    return out

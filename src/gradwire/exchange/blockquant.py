@@ -57,9 +57,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..errors import DecodeError, is_integer
 
 #: Supported code widths and their largest code ``L``.
@@ -108,6 +110,8 @@ def quantize(x: torch.Tensor, *, bits: int, block_size: int, segments: Optional[
         ValueError: ``x`` not float32 or 0-dimensional, or bad ``bits`` / ``block_size``.
     """
     _check_input(x, bits, block_size)
+    if _native(x):
+        return _native_roundtrip(x, bits, block_size, segments, want_local=False)[0]
     scales, codes = _scales_and_codes(x, bits, block_size, segments)
     return _pack(scales, codes, bits)
 
@@ -134,7 +138,10 @@ def dequantize(data: torch.Tensor, n: int, *, bits: int, block_size: int,
     if data.dtype != torch.uint8 or data.dim() == 0 or data.shape[-1] != expected:
         raise DecodeError(f"a quantized chunk of {n} values ({bits}-bit, blocks of {block_size}) is {expected} "
                           f"uint8 bytes, got {data.dtype} of shape {tuple(data.shape)}")
-    scales, codes = _unpack(data, n, bits, block_count(n, block_size, segments))
+    blocks = block_count(n, block_size, segments)
+    if _native(data) and n:
+        return _native_dequantize(data, n, bits, block_size, segments, blocks)
+    scales, codes = _unpack(data, n, bits, blocks)
     return _scaled(codes, scales, n, block_size, segments)
 
 
@@ -156,8 +163,50 @@ def roundtrip(x: torch.Tensor, *, bits: int, block_size: int,
         ValueError: as for :func:`quantize`.
     """
     _check_input(x, bits, block_size)
+    if _native(x):
+        packed, local = _native_roundtrip(x, bits, block_size, segments, want_local=True)
+        assert local is not None
+        return packed, local
     scales, codes = _scales_and_codes(x, bits, block_size, segments)
     return _pack(scales, codes, bits), _scaled(codes, scales, x.shape[-1], block_size, segments)
+
+
+def _native(tensor: torch.Tensor) -> bool:
+    """Whether the one-pass kernels (:func:`gradwire.kernels.block_quantize`) take ``tensor``: a CPU
+    tensor with values, numba available. Elsewhere (CUDA, no numba, ``GRADWIRE_NATIVE=0``) the torch
+    path runs; both give the same bits (``tests/exchange/test_blockquant.py``)."""
+    return tensor.device.type == "cpu" and tensor.numel() > 0 and kernels.available()
+
+
+def _lengths(n: int, segments: Optional[Sequence[int]]) -> np.ndarray:
+    return np.asarray(list(segments) if segments is not None else [n], dtype=np.int64)
+
+
+def _native_roundtrip(x: torch.Tensor, bits: int, block_size: int, segments: Optional[Sequence[int]], *,
+                      want_local: bool) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+    """The packed chunks (and with ``want_local`` their decoding) of ``x`` by the one-pass kernel:
+    about 1.3 reads of ``x`` and one write of the codes, where the torch path makes about 15
+    passes (pad, abs, amax, divide, round, clamp, where, cast, pack, and each again to decode)."""
+    n = x.shape[-1]
+    rows = x.detach().reshape(-1, n).contiguous().numpy()
+    blocks = block_count(n, block_size, segments)
+    scales, codes, local = kernels.block_quantize(rows, lengths=_lengths(n, segments), block_size=block_size,
+                                                  level=LEVELS[bits], bits=bits, blocks=blocks,
+                                                  want_local=want_local)
+    packed = torch.from_numpy(np.concatenate([scales.view(np.uint8), codes], axis=1))
+    packed = packed.reshape(*x.shape[:-1], packed.shape[-1])
+    return packed, (torch.from_numpy(local).reshape(x.shape) if local is not None else None)
+
+
+def _native_dequantize(data: torch.Tensor, n: int, bits: int, block_size: int, segments: Optional[Sequence[int]],
+                       blocks: int) -> torch.Tensor:
+    """:func:`dequantize` by the one-pass kernel (the scales copied out of the bytes first: a row's
+    float32 scales need not be 4-aligned in ``data``)."""
+    rows = data.detach().reshape(-1, data.shape[-1]).contiguous().numpy()
+    scales = np.ascontiguousarray(rows[:, :4 * blocks]).view(np.float32)
+    values = kernels.block_dequantize(scales, rows[:, 4 * blocks:], n=n, lengths=_lengths(n, segments),
+                                      block_size=block_size, level=LEVELS[bits], bits=bits)
+    return torch.from_numpy(values).reshape(*data.shape[:-1], n)
 
 
 def _check_input(x: torch.Tensor, bits: int, block_size: int) -> None:

@@ -273,7 +273,7 @@ class FSDPCompressionState:
         self.iteration = self.pipeline.load_state_dict(state, names=self._names, specs=self._specs, device=device)
         if self.momentum_bases is not None:
             self.momentum_bases = check
-        self._called, self._last_round, self._pending, self.error = set(), [], [], None
+        self._called, self._last_round, self._pending, self.error, self._armed = set(), [], [], None, False
 
     # ------------------------------------------------------------------------- the exchange
     def divisor(self, unit: _Unit, op: Any, shard_size: int) -> float:
