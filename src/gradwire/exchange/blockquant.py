@@ -48,8 +48,10 @@ gradient: one piece of every parameter per destination) gives one segment per te
 tensor's values are never scaled by a large neighbour's absmax (which rounds them to zero). The
 wire layout is the same with that ``nb``; the receiver knows the segments as it knows ``n``.
 
-All functions take and return tensors on the input's device, work on a batch of equally long
-chunks at once (leading dimensions), and run without a Python loop over values or blocks.
+All functions take and return tensors on the input's device and work on a batch of equally long
+chunks at once (leading dimensions). On the CPU with numba (``gradwire[fast]``) one compiled pass
+per chunk quantizes (:func:`gradwire.kernels.block_quantize`) or decodes; elsewhere torch
+operations do, with no Python loop over values or blocks; both give the same bits.
 """
 
 from __future__ import annotations
