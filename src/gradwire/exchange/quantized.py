@@ -47,7 +47,8 @@ and of ``e_j^j + c_j`` (half an ulp of that residual). ``e_r`` and ``c_j`` thems
 and ``S_j`` applied. Padding is zero on every rank, quantizes to exactly zero and carries no
 residual, so it is dropped from the results.
 
-Blocking, on the caller's thread; every rank must call with the same sizes, ``bits`` and
+Blocking, on the caller's thread (:func:`start_quantized_reduce_scatter` returns the reduce-scatter in flight
+and finishes it on the caller's thread when asked); every rank must call with the same sizes, ``bits`` and
 ``block_size``, in the same order. Every collective is started with ``async_op=True`` and waited
 through :func:`.checked.wait_checked` (a failure raises :class:`~gradwire.errors.CollectiveError`
 naming it, within :func:`.checked.time_limit`). Tensors stay on the input's device, which must be

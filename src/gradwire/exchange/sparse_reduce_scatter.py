@@ -24,7 +24,8 @@ on one, the ranks must agree: :func:`agree_status` runs one small exact AllReduc
 :func:`status_words` (two bitmaps of ranks), and a caller that runs a SUM AllReduce of integers
 anyway can append the same words to it, as :func:`.sparse_allreduce` does to its first histogram.
 
-Blocking, on the caller's thread; every rank must call it in the same order with the same
+Blocking, on the caller's thread (:func:`start_sparse_reduce_scatter` returns the reduce-scatter in flight
+and finishes it on the caller's thread when asked); every rank must call it in the same order with the same
 ``numel`` and ``boundaries``.
 """
 

@@ -10,8 +10,11 @@ float32 scales per block of ``quantize_block`` values, blocks restarting at ever
 values of *every* rank's shard, its own included, into FSDP's unsharded buffer:
 
 1. quantize this rank's shard (FSDP's ``input_tensor``, a view into ``output_tensor``);
-2. exchange the codes (:func:`gradwire.exchange.checked.allgather_tensor`: every rank talks to
-   every peer, so a dead peer fails each survivor's call at once, within ``collective_timeout``);
+2. exchange the codes (an ``all_to_all_single`` of them repeated for every peer, as
+   :func:`gradwire.exchange.checked.allgather_tensor` does: every rank talks to every peer, so a
+   dead peer fails each survivor's wait at once, within ``collective_timeout``). The call returns
+   with the exchange in flight (:class:`PendingGather`); FSDP2 waits on it where it reads the
+   parameters, and the wait runs steps 3 and 4;
 3. dequantize every rank's codes in rank order into ``output_tensor``;
 4. fold a balanced digest of the exchange into this rank's pending share
    (:meth:`AllGatherStats.take_share`): for each peer, a hash of the codes sent to it tagged
@@ -38,6 +41,7 @@ the same warm-up with FSDP2's exact all-gather ended 0.2% ahead of it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -126,8 +130,6 @@ class QuantizedAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
-        import time
-
         started = time.perf_counter()
         ranks = group.size()
         numel = input_tensor.numel()
@@ -163,8 +165,6 @@ class QuantizedAllGather(AllGather):
         call, rank = self.stats.calls, group.rank()
 
         def finish() -> None:
-            import time
-
             started = time.perf_counter()
             with time_limit(self.timeout):
                 wait_checked(work, what, "all_to_all_single", keep=False)
