@@ -57,6 +57,7 @@ one the group's backend moves (CPU for gloo, CUDA for NCCL); there is no host sy
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -79,7 +80,10 @@ class QuantizedReduceScatterResult:
 
     Attributes:
         shard: ``(s,)`` float32, the SUM over ranks of this rank's chunk as dequantized (divide by p for AVG).
-        error: ``(p s,)`` float32, this rank's quantization error ``input - D(Q(input))`` per chunk.
+        error: ``(p s,)`` float32, this rank's quantization error ``input - D(Q(input))`` per chunk;
+            None in what :func:`start_quantized_reduce_scatter`'s exchange returns (the error is
+            :attr:`QuantizedScatterInFlight.error`, known at the start: the exchange in flight does
+            not hold a second copy of it).
         finite: 0-dim bool tensor, False if ``shard`` holds NaN/Inf (some source's block or the sum).
         sent_by_collective: bytes this rank handed to each collective for its peers.
         chunks_sent: ``(p, Q)`` uint8, the quantized chunk this rank sent to each rank (row j to rank j).
@@ -91,7 +95,7 @@ class QuantizedReduceScatterResult:
     """
 
     shard: torch.Tensor
-    error: torch.Tensor
+    error: Optional[torch.Tensor]
     finite: torch.Tensor
     sent_by_collective: dict[str, int] = field(default_factory=dict)
     chunks_sent: Optional[torch.Tensor] = None
@@ -149,11 +153,12 @@ def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
         ValueError: ``input`` not 1-D float32, its length not a multiple of p, or bad options.
         CollectiveError: the ``all_to_all_single`` failed or timed out (a peer died, ...).
     """
-    launched = start_quantized_reduce_scatter(input, bits=bits, block_size=block_size, group=group,
-                                              segments=segments).launched
+    in_flight = start_quantized_reduce_scatter(input, bits=bits, block_size=block_size, group=group,
+                                               segments=segments)
+    launched = in_flight.launched
     if launched.work is not None:  # the result holds the Work (Launched tracks it)
         wait_checked(launched.work, WHAT_REDUCE_SCATTER, launched.collective, keep=False)
-    return launched.result()
+    return dataclasses.replace(launched.result(), error=in_flight.error)
 
 
 def start_quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
@@ -200,9 +205,9 @@ def start_quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size
             raise CollectiveError(f"{WHAT_REDUCE_SCATTER}: reduce-scatter all_to_all_single could not start: "
                                   f"{error_}") from error_
 
-    def finish() -> QuantizedReduceScatterResult:
+    def finish() -> QuantizedReduceScatterResult:  # (not the error: the caller has it, n-sized, from the start)
         shard = _sum_in_rank_order(received, s, bits, block_size, segments)
-        return QuantizedReduceScatterResult(shard, error.reshape(-1), _all_finite(shard), sent, packed, received,
+        return QuantizedReduceScatterResult(shard, None, _all_finite(shard), sent, packed, received,
                                             (work,) if work is not None else ())
 
     return QuantizedScatterInFlight(error.reshape(-1), Launched(work, finish, "reduce-scatter all_to_all_single"))
