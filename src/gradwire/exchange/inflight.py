@@ -67,6 +67,12 @@ class Launched(Generic[T]):
             self._value = finish()
         return self._value
 
+    def drop_result(self) -> None:
+        """Forget the finished result (and so its tensors), keeping the ``Work``: for a holder that
+        keeps this past its completion only for the Work (:mod:`gradwire.lifetime`). A later
+        :meth:`result` returns None."""
+        self._value = None
+
     def map(self, fn: Callable[[T], U]) -> "Launched[U]":
         """The same collective, its result passed through ``fn`` (on the thread calling ``result``)."""
         return Launched(self.work, lambda: fn(self.result()), self.collective)

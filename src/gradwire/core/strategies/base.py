@@ -178,6 +178,10 @@ class Exchange:
                 self.finish(value)
         except BaseException as error:  # recorded; the round's end makes every rank fail together
             self.group.mark_failed(error)
+        finally:
+            # the result is in the group now; a front-end holding the exchange until its round's
+            # agreement (FSDP2: every module's, the step long) must not hold its buffers too
+            launched.drop_result()
 
 
 def run_guarded(group: Group, action: Callable[[], None]) -> None:
