@@ -536,6 +536,26 @@ def bin_counts(keys: np.ndarray, lo: int, hi: int, inner_edges: np.ndarray, coun
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
+def block_bounds(lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """``(nb, 2)`` int64: each block's first and past-last element in a chunk whose blocks restart
+    at each of ``lengths`` (the last block of a segment shorter), in order."""
+    count = 0
+    for s in range(lengths.size):
+        count += (lengths[s] + block_size - 1) // block_size
+    bounds = np.empty((count, 2), dtype=np.int64)
+    block = 0
+    start = 0
+    for s in range(lengths.size):
+        end = start + lengths[s]
+        for position in range(start, end, block_size):
+            bounds[block, 0] = position
+            bounds[block, 1] = min(position + block_size, end)
+            block += 1
+        start = end
+    return bounds
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
 def block_quantize(x: np.ndarray, words: np.ndarray, lengths: np.ndarray, block_size: int, level: int, bits: int,
                    scales: np.ndarray, codes: np.ndarray, local: np.ndarray, want_local: bool) -> None:
     """:mod:`gradwire.exchange.blockquant`'s quantization of every row of ``x`` (float32 ``(rows, n)``;
@@ -550,50 +570,42 @@ def block_quantize(x: np.ndarray, words: np.ndarray, lengths: np.ndarray, block_
     The absmax is an integer max over the values' bits without their sign (ordered as the
     magnitudes for every non-NaN float; above Inf's bits only NaNs), so the loop has no branch
     and vectorizes; the codes go through a block-sized float32 buffer, then are packed."""
-    rows = x.shape[0]
     top = np.float32(level)
     one = np.float32(1.0)
     buffer = np.empty(block_size, dtype=np.float32)
     infinity = np.uint32(0x7F800000)
     magnitude_bits = np.uint32(0x7FFFFFFF)
-    for r in range(rows):
-        start = 0
-        block = 0
-        for s in range(lengths.size):
-            end = start + lengths[s]
-            position = start
-            while position < end:
-                stop = min(position + block_size, end)
-                m = stop - position
-                largest = np.uint32(0)
-                for i in range(position, stop):
-                    largest = max(largest, words[r, i] & magnitude_bits)
-                finite = largest < infinity
-                scale = np.uint32(largest).view(np.float32) / top if finite else np.float32(np.nan)
-                scales[r, block] = scale
-                if finite:
-                    divisor = scale if scale > 0 else one
-                    for i in range(m):
-                        buffer[i] = min(max(np.rint(x[r, position + i] / divisor), -top), top)
-                else:
-                    buffer[:m] = 0
-                if bits == 8:
-                    for i in range(m):
-                        codes[r, position + i] = np.uint8(np.int32(buffer[i]) & 0xFF)
-                else:
-                    for i in range(m):
-                        nibble = np.uint8(np.int32(buffer[i]) & 0x0F)
-                        at = position + i
-                        if at & 1:
-                            codes[r, at >> 1] |= np.uint8(nibble << 4)
-                        else:
-                            codes[r, at >> 1] = nibble
-                if want_local:  # through the integer code, as a receiver decodes it (rint gives -0.0, a code +0)
-                    for i in range(m):
-                        local[r, position + i] = np.float32(np.int32(buffer[i])) * scale
-                block += 1
-                position = stop
-            start = end
+    bounds = block_bounds(lengths, block_size)
+    for r in range(x.shape[0]):
+        for block in range(bounds.shape[0]):
+            position, stop = bounds[block, 0], bounds[block, 1]
+            m = stop - position
+            largest = np.uint32(0)
+            for i in range(position, stop):
+                largest = max(largest, words[r, i] & magnitude_bits)
+            finite = largest < infinity
+            scale = np.uint32(largest).view(np.float32) / top if finite else np.float32(np.nan)
+            scales[r, block] = scale
+            if finite:
+                divisor = scale if scale > 0 else one
+                for i in range(m):
+                    buffer[i] = min(max(np.rint(x[r, position + i] / divisor), -top), top)
+            else:
+                buffer[:m] = 0
+            if bits == 8:
+                for i in range(m):
+                    codes[r, position + i] = np.uint8(np.int32(buffer[i]) & 0xFF)
+            else:
+                for i in range(m):
+                    nibble = np.uint8(np.int32(buffer[i]) & 0x0F)
+                    at = position + i
+                    if at & 1:
+                        codes[r, at >> 1] |= np.uint8(nibble << 4)
+                    else:
+                        codes[r, at >> 1] = nibble
+            if want_local:  # through the integer code, as a receiver decodes it (rint gives -0.0, a code +0)
+                for i in range(m):
+                    local[r, position + i] = np.float32(np.int32(buffer[i])) * scale
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -601,30 +613,21 @@ def block_dequantize(scales: np.ndarray, codes: np.ndarray, lengths: np.ndarray,
                      bits: int, out: np.ndarray) -> None:
     """``out[r, i] = code * scale`` (float32) for codes packed as :func:`block_quantize` writes them,
     each clamped to ``[-L, L]`` first (bytes off the wire may hold -128 or the nibble 8)."""
-    rows = out.shape[0]
-    for r in range(rows):
-        start = 0
-        block = 0
-        for s in range(lengths.size):
-            end = start + lengths[s]
-            position = start
-            while position < end:
-                stop = min(position + block_size, end)
-                scale = scales[r, block]
-                for i in range(position, stop):
-                    if bits == 8:
-                        code = np.int32(codes[r, i])
-                        if code >= 128:
-                            code -= 256
-                    else:
-                        code = np.int32((codes[r, i >> 1] >> (4 * (i & 1))) & 0x0F)
-                        if code >= 8:
-                            code -= 16
-                    if code > level:
-                        code = level
-                    elif code < -level:
-                        code = -level
-                    out[r, i] = np.float32(code) * scale
-                block += 1
-                position = stop
-            start = end
+    bounds = block_bounds(lengths, block_size)
+    for r in range(out.shape[0]):
+        for block in range(bounds.shape[0]):
+            scale = scales[r, block]
+            for i in range(bounds[block, 0], bounds[block, 1]):
+                if bits == 8:
+                    code = np.int32(codes[r, i])
+                    if code >= 128:
+                        code -= 256
+                else:
+                    code = np.int32((codes[r, i >> 1] >> (4 * (i & 1))) & 0x0F)
+                    if code >= 8:
+                        code -= 16
+                if code > level:
+                    code = level
+                elif code < -level:
+                    code = -level
+                out[r, i] = np.float32(code) * scale

@@ -176,8 +176,6 @@ class FSDPCompressionState:
         self._armed = False
         #: let a module's exchange stay in flight until the step's last module (compress(defer=...))
         self.defer = True
-        #: the last step's collectives' ``Work``, held until the next step (Exchange.works)
-        self._last_round: list[Any] = []
         #: the latest completed reduce-scatters' ``Work`` (see _complete)
         self._held_works: list[Any] = []
         #: this step's modules so far: completed (written or failed), agreed at the step's last module
@@ -275,7 +273,7 @@ class FSDPCompressionState:
         self.iteration = self.pipeline.load_state_dict(state, names=self._names, specs=self._specs, device=device)
         if self.momentum_bases is not None:
             self.momentum_bases = check
-        self._called, self._last_round, self._pending, self.error, self._armed = set(), [], [], None, False
+        self._called, self._pending, self.error, self._armed = set(), [], None, False
 
     # ------------------------------------------------------------------------- the exchange
     def divisor(self, unit: _Unit, op: Any, shard_size: int) -> float:
@@ -431,7 +429,6 @@ class FSDPCompressionState:
             share = self.all_gather_stats.take_share()
             last.digest = share if last.digest is None else last.digest ^ share
         verdict = self.pipeline.agree(groups, self.iteration)
-        self._last_round = [work for reduced in pending for work in reduced.exchange.works()]  # until the next step
         self.last_action = verdict.action
         if self.momentum_bases is not None and verdict.action not in (RAISE, SKIP) \
                 and self.iteration >= self.config.warmup_steps:
