@@ -176,7 +176,7 @@ def roundtrip(x: torch.Tensor, *, bits: int, block_size: int,
 def _native(tensor: torch.Tensor) -> bool:
     """Whether the one-pass kernels (:func:`gradwire.kernels.block_quantize`) take ``tensor``: a CPU
     tensor with values, numba available. Elsewhere (CUDA, no numba, ``GRADWIRE_NATIVE=0``) the torch
-    path runs; both give the same bits (``tests/exchange/test_blockquant.py``)."""
+    path runs; both give the same bits (``tests/exchange/test_blockquant_native.py``)."""
     return tensor.device.type == "cpu" and tensor.numel() > 0 and kernels.available()
 
 

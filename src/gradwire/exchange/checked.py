@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
 from ..lifetime import wait_for
+
+if TYPE_CHECKING:
+    from .inflight import Launched
+
+T = TypeVar("T")
 
 #: ``dist.reduce_scatter_single``: torch 2.13 deprecates ``reduce_scatter_tensor`` (a FutureWarning
 #: on every rank and call) for it, with the same arguments; releases before it have only the old name
@@ -83,6 +88,19 @@ def wait_checked(work: object, what: str, collective: str, *, keep: bool = True)
                               "hook)") from error
     if ok is False:  # some backends report failure by returning False instead of raising
         raise CollectiveError(f"{what}: {collective} failed (work reported no success)")
+
+
+def result_checked(launched: "Launched[T]", what: str) -> "T":
+    """Wait for a started exchange (:class:`~.inflight.Launched`) as :func:`wait_checked` waits, within
+    :func:`time_limit`, then finish it on this thread: its blocking form. The ``Launched`` holds the
+    ``Work`` (it is tracked, :mod:`gradwire.lifetime`).
+
+    Raises:
+        CollectiveError: the collective failed, reported no success, or outlasted the limit.
+    """
+    if launched.work is not None:
+        wait_checked(launched.work, what, launched.collective, keep=False)
+    return launched.result()
 
 
 def allgather_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,

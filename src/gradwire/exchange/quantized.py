@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .blockquant import check_options, dequantize, roundtrip
-from .checked import allgather_tensor, group_rank, group_size, wait_checked
+from .checked import allgather_tensor, group_rank, group_size, result_checked, wait_checked
 from .inflight import Launched
 
 WHAT_REDUCE_SCATTER = "quantized_reduce_scatter"
@@ -155,10 +155,7 @@ def quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,
     """
     in_flight = start_quantized_reduce_scatter(input, bits=bits, block_size=block_size, group=group,
                                                segments=segments)
-    launched = in_flight.launched
-    if launched.work is not None:  # the result holds the Work (Launched tracks it)
-        wait_checked(launched.work, WHAT_REDUCE_SCATTER, launched.collective, keep=False)
-    return dataclasses.replace(launched.result(), error=in_flight.error)
+    return dataclasses.replace(result_checked(in_flight.launched, WHAT_REDUCE_SCATTER), error=in_flight.error)
 
 
 def start_quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size: int,

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from .. import kernels
 from ..errors import DecodeError
 from ..sparse import is_support
-from .checked import (allreduce_sum_exact, exchange_counts, group_rank, group_size, start_alltoall_sized,
-                      wait_checked)
+from .checked import (allreduce_sum_exact, exchange_counts, group_rank, group_size, result_checked,
+                      start_alltoall_sized)
 from .inflight import Launched
 from .region_payload import RegionCodec, decode_region, encode_region, frame_capacity, from_frame, is_wide, to_frame
 from .regions import check_boundaries
@@ -119,11 +119,9 @@ def sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel:
             ``boundaries`` fails alike, before any collective).
         CollectiveError: a collective failed (on every surviving rank).
     """
-    launched = start_sparse_reduce_scatter(indices=indices, values=values, numel=numel, boundaries=boundaries,
-                                           group=group, codec=codec, what=what, most=most)
-    if launched.work is not None:  # the result holds the Work (Launched tracks it)
-        wait_checked(launched.work, what, launched.collective, keep=False)
-    return launched.result()
+    return result_checked(start_sparse_reduce_scatter(indices=indices, values=values, numel=numel,
+                                                      boundaries=boundaries, group=group, codec=codec, what=what,
+                                                      most=most), what)
 
 
 def start_sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, numel: int,

@@ -115,7 +115,7 @@ class ShardStrategy(ExchangeStrategy):
         launched = self.launch(group)
         if launched.work is not None:
             self.held.append(launched.work)  # until the next call, not a backend thread's last reference
-            with self.context.stats.timer("communicate"):
+            with self.context.stats.timer("communicate"):  # the wait only: the finish books its decoding
                 wait_checked(launched.work, f"{self.name} of step {self.context.step}", launched.collective,
                              keep=False)
         return launched.result()
