@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from experiment_record import run_and_mark
+from experiment_record import run_and_mark, split_command
 from gradwire.exchange import ring_allreduce_bytes
 from gradwire.harness.diloco_sim import SimulatedDiLoCo, SimulatedExchange
 
@@ -171,17 +171,15 @@ def _first_sync_report(self: SimulatedExchange, groups: list) -> tuple[torch.Ten
 
 
 def main(argv: list[str]) -> int:
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, command, seed = split_command(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, required=True, help="the rank of each matrix's approximation")
     parser.add_argument("--iterations", type=int, default=1, help="power iterations per sync (each costs bytes)")
     parser.add_argument("--report-first-sync", action="store_true",
                         help="print how well each exchange approximates the first sync's mean Δ, then exit")
-    options = parser.parse_args(argv[:split])
+    options = parser.parse_args(own)
     if options.rank < 1 or options.iterations < 1:
         raise SystemExit("diloco_lowrank: --rank and --iterations are at least 1")
-    command = argv[split + 1:]
-    seed = int(command[command.index("--seed") + 1]) if "--seed" in command else 0
     settings = {"rank": options.rank, "iterations": options.iterations, "seed": seed}
 
     def start(self: SimulatedDiLoCo, fragments: list[int], finish_at: int) -> None:

@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from experiment_record import run_and_mark
+from experiment_record import run_and_mark, split_command
 from gradwire.core.config import QUANTIZE_BITS
 from gradwire.harness.diloco_sim import SimulatedDiLoCo, SimulatedExchange, replay_quantized_allreduce
 
@@ -96,15 +96,13 @@ def _quantized_on_support(self: SimulatedExchange, groups: list) -> tuple[torch.
 
 
 def main(argv: list[str]) -> int:
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, command, seed = split_command(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, required=True, help="share of each parameter's entries sent")
     parser.add_argument("--explore", type=float, default=0.25, help="share of the support drawn at random")
-    options = parser.parse_args(argv[:split])
+    options = parser.parse_args(own)
     if not (0 < options.density <= 1 and 0 <= options.explore <= 1):
         raise SystemExit("diloco_momentum_support: --density in (0, 1], --explore in [0, 1]")
-    command = argv[split + 1:]
-    seed = int(command[command.index("--seed") + 1]) if "--seed" in command else 0
     settings = {"density": options.density, "explore": options.explore, "seed": seed}
 
     def start(self: SimulatedDiLoCo, fragments: list[int], finish_at: int) -> None:

@@ -12,6 +12,15 @@ import gradwire.harness.optimizers as optimizers
 from gradwire.cli.main import main as gradwire_main
 
 
+def split_command(argv: list[str]) -> tuple[list[str], list[str], int]:
+    """``OWN... -- COMMAND...``: the script's own arguments, the ``gradwire`` command line after
+    ``--`` (empty without one), and that command's ``--seed`` (0 when it has none)."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    command = argv[split + 1:]
+    seed = int(command[command.index("--seed") + 1]) if "--seed" in command else 0
+    return argv[:split], command, seed
+
+
 def run_and_mark(command: list[str], key: str, variant: dict) -> int:
     """``gradwire COMMAND``; on success, ``record[key] = variant`` in the record ``--json`` names.
 
