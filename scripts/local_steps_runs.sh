@@ -52,6 +52,7 @@ SIMS=(
     "dense-h128|diloco:sync_every=128,$W"
     "topk10-model-q3-h128|diloco:sync_every=128,$W,unsent=model+topk:density=0.1,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=allgather"
     "streaming-f4-carry-h128|diloco:sync_every=128,$W,fragments=4,overlap=1,merge=carry"
+    "topk10-model-q3-h128-global|diloco:sync_every=128,$W,unsent=model+topk:density=0.1,scope=global,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=allgather"
     "topk10-model-q3-h128-f4-carry|diloco:sync_every=128,$W,fragments=4,overlap=1,merge=carry,unsent=model+topk:density=0.1,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rice,collective=allgather"
     "blocktopk10-c32-model-q3-h64|diloco:sync_every=64,$W,unsent=model+blocktopk:density=0.1,chunk=32,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rle,collective=allgather"
     "blocktopk10-c16-model-q3-h64|diloco:sync_every=64,$W,unsent=model+blocktopk:density=0.1,chunk=16,values=qsgd-ans,levels=3,norm=range,rounding=nearest,bucket_size=128,indices=rle,collective=allgather"
