@@ -6,8 +6,8 @@
         --seed 0 --method 'diloco:sync_every=64,warmup_steps=300,unsent=residual+quantize:bits=8' --json PATH
 
 Everything after ``--`` is a ``gradwire`` command line (``simulate --method diloco:...+quantize:...``
-with ``unsent=residual``, one fragment, no overlap: the quantized exchange is only the carrier, its
-compensation and residuals are what this script reuses); this script swaps the simulator's
+with one fragment and no overlap: the quantized exchange is only the carrier, its compensation and
+residuals are what this script reuses); this script swaps the simulator's
 quantized AllReduce (``SimulatedExchange._quantized``) for a low-rank one. Per sync, per parameter:
 
 1. every worker compensates Δ with its residual (``c = Δ + e``), as the core's exchanges do;
