@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
 
 import torch
 
@@ -78,6 +79,18 @@ def _matrix_shape(shape: tuple, rank: int) -> tuple[int, int] | None:
     return (rows, columns) if min(rows, columns) > rank else None
 
 
+def _power_iterations(ms: list[torch.Tensor], q: torch.Tensor, iterations: int,
+                      sent: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Step 2, ``iterations`` times from ``q``: the shared basis ``P̂``, each worker's ``Q_w`` as sent
+    (``sent``: what a value is after the wire, e.g. :func:`_fp16`) and their mean ``Q``."""
+    for _ in range(iterations):
+        basis = torch.linalg.qr(torch.stack([sent(m @ q) for m in ms]).sum(0) / len(ms)).Q
+        q_own = [sent(m.t() @ basis) for m in ms]
+        q = torch.stack(q_own).sum(0) / len(ms)
+    return basis, q_own, q
+
+
 def _lowrank(self: SimulatedExchange, groups: list) -> tuple[torch.Tensor, float]:
     """Steps 1-4 (``SimulatedExchange._quantized``'s place)."""
     options = self.lowrank_options
@@ -102,12 +115,8 @@ def _lowrank(self: SimulatedExchange, groups: list) -> tuple[torch.Tensor, float
         if q is None:
             generator = torch.Generator().manual_seed(options["seed"] * 1_000_003 + position)
             q = torch.randn(columns, rank, generator=generator)
-        for _ in range(iterations):  # step 2
-            p_mean = torch.stack([_fp16(m @ q) for m in ms]).sum(0) / p
-            basis = torch.linalg.qr(p_mean).Q
-            q_own = [_fp16(m.t() @ basis) for m in ms]
-            q = torch.stack(q_own).sum(0) / p
-            nbytes += ring_allreduce_bytes(rows * rank, 2, p) + ring_allreduce_bytes(columns * rank, 2, p)
+        basis, q_own, q = _power_iterations(ms, q, iterations, _fp16)  # step 2
+        nbytes += iterations * (ring_allreduce_bytes(rows * rank, 2, p) + ring_allreduce_bytes(columns * rank, 2, p))
         bases[position] = q
         out[piece] = (basis @ q.t()).reshape(-1)
         for m, own in zip(ms, q_own):  # step 3 (in place: ``ms`` are views of ``compensated``)
@@ -139,9 +148,7 @@ def _first_sync_report(self: SimulatedExchange, groups: list) -> tuple[torch.Ten
                 continue
             ms = [flat[piece].view(rows, columns) for flat in flats]
             q = torch.randn(columns, rank, generator=torch.Generator().manual_seed(len(pieces)))
-            for _ in range(iterations):
-                basis = torch.linalg.qr(sum(m @ q for m in ms) / self.workers).Q
-                q = sum(m.t() @ basis for m in ms) / self.workers
+            basis, _, q = _power_iterations(ms, q, iterations, lambda values: values)
             applied[piece] = (basis @ q.t()).reshape(-1)
             nbytes += iterations * (ring_allreduce_bytes(rows * rank, 2, self.workers)
                                     + ring_allreduce_bytes(columns * rank, 2, self.workers))
