@@ -64,7 +64,6 @@ def _start_with_shapes(self: SimulatedDiLoCo, fragments: list[int], finish_at: i
         raise SystemExit("diloco_lowrank: needs a quantize:bits=... exchange as its carrier")
     state = self.outer[0]
     self.exchange.lowrank_shapes = [tuple(state.parameters[i].shape) for i in state.fragments[0]]
-    self.exchange.lowrank_options = self.__dict__["lowrank_options"]
     _ORIGINAL_START(self, fragments, finish_at)
 
 
@@ -190,7 +189,7 @@ def main(argv: list[str]) -> int:
     settings = {"rank": options.rank, "iterations": options.iterations, "seed": seed}
 
     def start(self: SimulatedDiLoCo, fragments: list[int], finish_at: int) -> None:
-        self.__dict__["lowrank_options"] = settings
+        self.exchange.lowrank_options = settings
         _start_with_shapes(self, fragments, finish_at)
 
     SimulatedDiLoCo._start = start  # type: ignore[method-assign]

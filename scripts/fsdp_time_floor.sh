@@ -16,15 +16,17 @@ common=(--model gpt --data pystdlib --workers 4 --steps 12 --warmup-steps 4 --ba
 int4=quantize:bits=4,gather=int8
 topk=topk:density=0.1,values=fp16,indices=rice,gather=int8
 
+# each reads the round's $round and $methods when called
+floor() { python -m gradwire train "${common[@]}" --compute-only --method allreduce --json "$out/floor-r$round$1.json"; }
+loopback() { python -m gradwire train --fsdp "${common[@]}" "${methods[@]}" --json "$out/loopback-r$round.json"; }
+cluster() {
+    python -m gradwire train --fsdp "${common[@]}" --cluster --bandwidth 100mbit "${methods[@]}" \
+        --json "$out/cluster-r$round.json"
+}
+
 for round in $(seq 1 "$rounds"); do
     if (( round % 2 )); then methods=(--method allreduce --method $int4 --method $topk --method allreduce)
     else methods=(--method allreduce --method $topk --method $int4 --method allreduce); fi
-    floor() { python -m gradwire train "${common[@]}" --compute-only --method allreduce --json "$out/floor-r$round$1.json"; }
-    loopback() { python -m gradwire train --fsdp "${common[@]}" "${methods[@]}" --json "$out/loopback-r$round.json"; }
-    cluster() {
-        python -m gradwire train --fsdp "${common[@]}" --cluster --bandwidth 100mbit "${methods[@]}" \
-            --json "$out/cluster-r$round.json"
-    }
     echo "== round $round" >&2
     floor a > /dev/null
     if (( round % 2 )); then loopback > /dev/null; cluster > /dev/null; else cluster > /dev/null; loopback > /dev/null; fi
