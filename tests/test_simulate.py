@@ -120,6 +120,29 @@ def test_the_command_prints_evaluations_and_writes_json(tmp_path, capsys) -> Non
     assert err == "gradwire simulate: --optimizer='sgdd' is not supported; allowed: sgd, adamw\n"
 
 
+def test_a_diloco_record_holds_theta_before_the_final_synchronize(tmp_path, capsys) -> None:
+    """Dense outer steps end in sync on a sync step, so the harness's synchronize exchanges nothing
+    and θ before it is the final θ; with ``unsent=model`` the workers hold θ minus their unsent part,
+    so it exchanges once more and moves θ."""
+    from gradwire.cli.main import main
+
+    sparse = "+topk:density=0.1,values=fp16,indices=rice,collective=allgather"
+    records = {}
+    for name, method in (("dense", "diloco:sync_every=2"), ("sparse", "diloco:sync_every=2,unsent=model" + sparse)):
+        assert main(["simulate", "--workers", "2", "--steps", "4", "--batch-size", "4", "--data", DATA,
+                     "--method", method, "--json", str(tmp_path / f"{name}.json")]) == 0
+        records[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    out = capsys.readouterr().out
+    assert "before the final synchronize (a no-op): held-out loss" in out
+    assert "before the final synchronize (which exchanged): held-out loss" in out
+    dense, sparse_record = records["dense"], records["sparse"]
+    assert dense["outer_steps"] == sparse_record["outer_steps"] == 2
+    assert dense["before_final_synchronize"]["synchronize_exchanged"] is False
+    assert dense["before_final_synchronize"]["held_out_loss"] == dense["held_out_loss"]
+    assert sparse_record["before_final_synchronize"]["synchronize_exchanged"] is True
+    assert sparse_record["before_final_synchronize"]["held_out_loss"] != sparse_record["held_out_loss"]
+
+
 def test_an_fsdp_record_holds_its_bytes_against_plain_fsdp2_over_the_whole_run(tmp_path, capsys) -> None:
     """One exact warm-up step then one int8 step: the run's bytes are the mean of plain FSDP2's
     (ratio 1) and int8's (about 0.258), so a budget over the run sees the warm-up."""

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..harness.simulate import simulate
-    from ..harness.workloads import build_workload
+    from ..harness.workloads import build_workload, evaluate
 
     try:
         _check(args)
@@ -161,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
                 plugs["make_optimizer"] = lambda params, lr, weight_decay: OneBitAdamW(
                     params, lr=lr, weight_decay=weight_decay, freeze_after=reduce.warmup_steps)
             counter = lambda: reduce.bytes_sent / args.workers  # noqa: E731 (summed over workers)
+        sim = getattr(plugs.get("after_step"), "__self__", None)  # the SimulatedDiLoCo of a diloco method
+        before_synchronize: list = []  # θ at the last step before the final synchronize, evaluated afterwards
+        if sim is not None:
+            sim.before_final_synchronize = lambda models: before_synchronize.append(sim.eval_model(models))
         result = simulate(args.workers, args.steps, model=args.model, data=args.data, batch_size=args.batch_size,
                           optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                           eval_every=args.eval_every, workload=workload, log=lambda line: print(line, flush=True),
@@ -177,10 +181,15 @@ def run(args: argparse.Namespace) -> int:
     ddp_bytes = 2 * (args.workers - 1) / args.workers * 4 * parameters
     sent = counter() / args.steps
     record.update(method=args.method, bytes_per_step=sent, bytes_ddp_per_step=ddp_bytes)
-    if hasattr(plugs.get("after_step"), "__self__"):
-        sim = plugs["after_step"].__self__
+    if sim is not None:
         record.update(outer_steps=sim.outer_steps, bytes_outer=sim.bytes_outer, bytes_peak_sync=sim.bytes_peak_sync,
                       bytes_per_local_step=sim.bytes_outer / max(args.steps - sim.local.warmup_steps, 1))
+        if before_synchronize:  # how much of the final figure the synchronize's own exchange made
+            accuracy, loss = evaluate(before_synchronize[0], workload, "cpu", 256)
+            record["before_final_synchronize"] = {"held_out_loss": loss, "test_accuracy": accuracy,
+                                                  "synchronize_exchanged": sim.final_synchronize_exchanged}
+            what = "which exchanged" if sim.final_synchronize_exchanged else "a no-op"
+            print(f"before the final synchronize ({what}): held-out loss {loss:.4f}")
     label = f"--fsdp {args.fsdp}" if reduce is not None else args.method  # whose bytes these are
     print(f"{label}: {sent:,.0f} bytes per worker per step, {sent / ddp_bytes:.5f} x DDP's AllReduce"
           + (f"; {record['bytes_per_local_step'] / ddp_bytes:.5f} x over the local steps"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -97,6 +97,12 @@ class SimulatedDiLoCo:
         self.steps_done = 0
         self.origin = warmup_steps
         self._pending: Optional[tuple[list[int], int, list[Tensor], Optional[Tensor]]] = None
+        #: called with the workers' models at the last step, once its outer step (and any still in
+        #: flight) is applied and before the final synchronize: θ without that plain-average exchange
+        self.before_final_synchronize: Optional[Callable[[Sequence[nn.Module]], None]] = None
+        #: whether the final synchronize exchanged (the workers did not hold θ: unsent="model",
+        #: fragments, overlap, or a run that does not end on a sync step)
+        self.final_synchronize_exchanged = False
 
     # ------------------------------------------------------------------ simulate's plug points
     def reduce(self, grads: Sequence[Sequence[Tensor]], models: Optional[Sequence[nn.Module]] = None
@@ -142,9 +148,12 @@ class SimulatedDiLoCo:
         if step == self.total_steps:  # the harness's synchronize() before its evaluation
             if self._pending is not None:
                 self._merge()
+            if self.before_final_synchronize is not None:
+                self.before_final_synchronize(models)
             if step > self.local.warmup_steps and not self._in_sync():
                 self._start(list(range(self.local.fragments)), 0)
                 self._merge(alpha=0.0, into_model=False, outer_step=False)
+                self.final_synchronize_exchanged = True
 
     def eval_model(self, models: Sequence[nn.Module]) -> nn.Module:
         """A copy of worker 0's model holding the global parameters θ (what every rank agrees on);
