@@ -1,6 +1,7 @@
 """``collective="auto"`` against every fixed strategy, in one launch per cell (issue 17's matrix).
 
-    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 22] [--rounds 3]
+    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 26] [--rounds 3]
+        [--models mlp,resnet18] [--workers 2,4] [--links loopback,cluster] [--bandwidths 1gbit,100mbit]
 
 For each model in {mlp, resnet18} and each link in {loopback, 1 Gbit/s, 100 Mbit/s} (the emulated
 cluster; root) and p in {2, 4}, ``gradwire bench e2e`` trains, in one launch, dense AllReduce,
@@ -9,8 +10,9 @@ top-k 1% (fp16/Rice) through the payload AllGather, through the sparse AllReduce
 and over dense's (both measured in the same launch), and what auto ended on.
 
 The warm-up steps are untimed and long enough for auto's first trial (it starts 8 rounds after
-the first and takes 4 rounds per candidate, at most 3 candidates: so from step 20 on auto runs what
-it chose): the matrix compares steady states. The trial's own cost — 4 rounds under each losing
+the first and takes 4 rounds per candidate, at most 4 candidates on one host — model, dense, and
+the AllGather and the sparse AllReduce forced when the model mixed them: so from step 24 on auto
+runs what it chose): the matrix compares steady states. The trial's own cost — 4 rounds under each losing
 candidate, once per 200 rounds — follows from the trial's measured times, which the matrix keeps.
 With ``--rounds N`` each launch repeats the floors and the methods N times, every other round in
 reverse order, and each figure is the median over the rounds (one 8-step run per method swung by
@@ -33,7 +35,6 @@ METHODS = {
     "sparse-allreduce": "topk:density=0.01,values=fp16,indices=rice,collective=sparse-allreduce",
     "auto": "topk:density=0.01,values=fp16,indices=rice,collective=auto",
 }
-LINKS = {"loopback": ["--local"], "cluster": ["--bandwidths", "1gbit,100mbit"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,16 +42,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-out/auto-matrix")
     parser.add_argument("--models", default="mlp,resnet18")
     parser.add_argument("--workers", default="2,4")
+    parser.add_argument("--links", default="loopback,cluster", help="loopback and/or cluster (default both)")
+    parser.add_argument("--bandwidths", default="1gbit,100mbit", help="the cluster's links (default 1gbit,100mbit)")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
-    parser.add_argument("--warmup-steps", type=int, default=22, help="untimed steps first (default 22)")
+    parser.add_argument("--warmup-steps", type=int, default=26, help="untimed steps first (default 26)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per launch, medians reported (default 3)")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the saved runs")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    links_flags = {"loopback": ["--local"], "cluster": ["--bandwidths", args.bandwidths]}
+    unknown = set(args.links.split(",")) - set(links_flags)
+    if unknown:
+        parser.error(f"--links: {sorted(unknown)} not in loopback, cluster")
     cells = []
     for model in args.models.split(","):
-        for links, flags in LINKS.items():
+        for links in args.links.split(","):
+            flags = links_flags[links]
             folder = out / f"{model}-{links}"
             if not args.report_only:
                 command = [sys.executable, "-m", "gradwire", "bench", "e2e", "--model", model, "--data", "synthetic",

@@ -115,3 +115,22 @@ def test_a_planners_choices_and_online_state_come_back_from_its_state_dict() -> 
     assert Planner(config.replace(collective="allgather"), config.build_sparsifier(), None, 4).state_dict() is None
     with pytest.raises(ValueError, match="'planner' is malformed"):
         restored.load_state_dict({"choices": [["x", "dense"]]})
+
+
+def test_a_trial_tries_each_strategy_of_a_mix_forced_on_every_layout() -> None:
+    """The model prices layouts one by one; where it mixed the AllGather and the sparse AllReduce,
+    each forced everywhere is a candidate (a mix pays both kinds of rounds in one step). A choice of
+    one sparse strategy (and dense for small layouts) keeps the runner-up alone."""
+    from gradwire.core.config import ExchangeConfig
+    from gradwire.core.planner import Planner
+
+    config = ExchangeConfig(compressor="topk", density=0.01, collective="auto")
+    planner = Planner(config, config.build_sparsifier(), None, 4)
+    seconds = {"dense": 0.3, "allgather": 0.1, "sparse-allreduce": 0.12}
+    planner.predictions = {(1000, 3, 4): dict(seconds), (5000, 2): dict(seconds), (50, 5): dict(seconds)}
+    planner.choices = {(1000, 3, 4): "allgather", (5000, 2): "sparse-allreduce", (50, 5): "dense"}
+    assert planner._candidates(MODEL) == [MODEL, DENSE, "allgather", "sparse-allreduce"]
+    planner.choices = {(1000, 3, 4): "allgather", (5000, 2): "allgather", (50, 5): "dense"}
+    assert planner._candidates(MODEL) == [MODEL, DENSE, "sparse-allreduce"]
+    planner.choices = {signature: "dense" for signature in planner.predictions}
+    assert planner._candidates(DENSE) == [DENSE, "allgather"]

@@ -9,7 +9,10 @@ planner runs real rounds with each candidate *policy* and keeps the fastest:
 * ``"dense"`` — every group through the dense AllReduce (what compression must beat);
 * the model's runner-up: its best predicted non-dense strategy that it chose for no layout,
   forced on every layout (the strongest competitor; when the model chose dense everywhere it
-  replaces ``"model"``, which is then ``"dense"``).
+  replaces ``"model"``, which is then ``"dense"``);
+* where the model mixed non-dense strategies over its layouts (some buckets through the
+  AllGather, some through the sparse AllReduce), each of them forced on every layout: a mix runs
+  both kinds of rounds in one step, a cost no per-layout price sees.
 
 1. A trial is ``1 + trial_rounds`` rounds per candidate, in blocks (A A A A B B B B): the first
    round of each block is a warm-in and not counted — it pays for the switch (a dense round

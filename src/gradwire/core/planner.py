@@ -199,9 +199,15 @@ class Planner:
         return online.policy(step)
 
     def _candidates(self, current: str) -> list[str]:
-        """The current policy, dense, the model's choices, and the model's best non-dense strategy
+        """The current policy, dense, the model's choices, the model's best non-dense strategy
         that it did not choose (its runner-up, forced on every layout): the strongest competitor
-        whether the model chose dense everywhere or a sparse path."""
+        whether the model chose dense everywhere or a sparse path; and, where the model mixed two
+        or more non-dense strategies over its layouts, each of them forced on every layout.
+
+        Why the last: the model prices each layout alone, and a mix runs two kinds of rounds in one
+        step (the sparse AllReduce's extra length and threshold rounds beside the AllGather's one),
+        which no per-layout price sees. ResNet-18 at 1 Gbit/s, p = 4, kept such a mix at 1.06x the
+        AllGather forced everywhere (docs/benchmarks.md, 2026-12-07), a candidate it never tried."""
         chosen = set(self.choices.values())
         names = [current, DENSE, MODEL]
         totals: dict[str, float] = {}
@@ -211,6 +217,9 @@ class Planner:
                     totals[name] = totals.get(name, 0.0) + value
         if totals:
             names.append(min(totals, key=totals.get))
+        mixed = sorted(chosen - {"dense"})
+        if len(mixed) > 1:
+            names.extend(mixed)
         if chosen <= {"dense"}:
             names = [name for name in names if name != MODEL]  # the model is dense here
         return list(dict.fromkeys(name for name in names if name in (DENSE, MODEL) or name in self._forceable()))
