@@ -123,7 +123,7 @@ def _fsdp_options(text: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..harness.simulate import simulate
+    from ..harness.simulate import EVAL_BATCH_SIZE, simulate
     from ..harness.workloads import build_workload, evaluate
 
     try:
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         record.update(outer_steps=sim.outer_steps, bytes_outer=sim.bytes_outer, bytes_peak_sync=sim.bytes_peak_sync,
                       bytes_per_local_step=sim.bytes_outer / max(args.steps - sim.local.warmup_steps, 1))
         if before_synchronize:  # how much of the final figure the synchronize's own exchange made
-            accuracy, loss = evaluate(before_synchronize[0], workload, "cpu", 256)
+            accuracy, loss = evaluate(before_synchronize[0], workload, "cpu", EVAL_BATCH_SIZE)
             record["before_final_synchronize"] = {"held_out_loss": loss, "test_accuracy": accuracy,
                                                   "synchronize_exchanged": sim.final_synchronize_exchanged}
             what = "which exchanged" if sim.final_synchronize_exchanged else "a no-op"

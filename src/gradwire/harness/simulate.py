@@ -36,6 +36,9 @@ from torch import Tensor, nn
 from . import optimizers
 from .workloads import Workload, build_workload, evaluate
 
+#: examples per evaluation forward pass, unless told (a caller evaluating θ itself uses the same)
+EVAL_BATCH_SIZE = 256
+
 #: per-worker gradient lists -> the gradient list every worker applies, or None (each its own)
 Reduce = Callable[[Sequence[Sequence[Tensor]]], Optional[Sequence[Tensor]]]
 #: (step just taken, 1-based; the replicas; their optimizers) -> None
@@ -129,7 +132,7 @@ def simulate(workers: int = 4, steps: int = 1500, *, model: str = "gpt", data: O
              weight_decay: Optional[float] = None, momentum: float = 0.9, seed: int = 0, eval_every: int = 0,
              reduce: Reduce = exact_mean, after_step: Optional[AfterStep] = None,
              workload: Optional[Workload] = None, model_options: Optional[dict[str, Any]] = None,
-             eval_batch_size: int = 256, log: Optional[Callable[[str], None]] = None,
+             eval_batch_size: int = EVAL_BATCH_SIZE, log: Optional[Callable[[str], None]] = None,
              eval_model: Optional[EvalModel] = None,
              on_start: Optional[Callable[[Sequence[nn.Module]], None]] = None,
              forward_weights: Optional[Callable[[Sequence[Tensor]], Sequence[Tensor]]] = None,
