@@ -123,6 +123,9 @@ def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
                      f"{loss:.4f}{f' ± {spread:.4f}' if len(seeds) > 1 else ' (one seed)'} | {_paired(seeds, ddp)} | "
                      f"{_paired(seeds, reference) if reference is not seeds else '–'} | {_ratio(ratio)} | "
                      f"{_ratio(local_ratio)} | {_kb(first.get('bytes_peak_sync'))} | {_steps(steps)} |")
+    lines.append("\n† the pair's records of a seed were computed by different float kernels (their step-0 "
+                 "losses differ): the comparison carries the spread between two machines, not only the method's "
+                 "(\"Two machines, two trajectories\", under \"The simulator\").")
     return "\n".join(lines)
 
 
@@ -144,9 +147,24 @@ def paired_change(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int
     return 100 * (mine / theirs - 1)
 
 
+def numerics(record: dict[str, Any]) -> float:
+    """The held-out loss of the initial model (step 0): the same weights, data and code give it to
+    the last bit, so two records of one seed that differ in it were computed by different float
+    kernels (machines whose CPUs take other vector paths: some sessions' runs of 2026-12-02 to 12-06
+    against the rest), and from there on their trajectories differ as two seeds' do."""
+    return record["evaluations"][0]["held_out_loss"]
+
+
+def mixed_numerics(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int, dict[str, Any]]]) -> bool:
+    """Whether a paired comparison pairs records of one seed computed by different kernels."""
+    return any(numerics(seeds[s]) != numerics(reference[s]) for s in set(seeds) & set(reference or {}))
+
+
 def _paired(seeds: dict[int, dict[str, Any]], reference: Optional[dict[int, dict[str, Any]]]) -> str:
     change = paired_change(seeds, reference)
-    return "–" if math.isnan(change) else f"{change:+.1f}%"
+    if math.isnan(change):
+        return "–"
+    return f"{change:+.1f}%" + (" †" if mixed_numerics(seeds, reference) else "")
 
 
 def _kb(value: Optional[float]) -> str:

@@ -82,3 +82,16 @@ def test_plot_writes_a_png_of_the_frontier(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| topk-h64 |" in result.stdout and "+10.0%" in result.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_comparison_across_float_kernels_is_marked() -> None:
+    """Records of one seed whose initial model evaluated to other bits were computed by other
+    kernels: their comparison is marked (†), and one of matching numerics is not."""
+    runs = _runs()
+    table = report.quality_table(runs)
+    assert "†" not in table.split("\n† ")[0]
+    runs["topk-h64"][0]["evaluations"][0]["held_out_loss"] = 5.0000001
+    marked = {line.split(" | ")[0].strip("| "): line for line in report.quality_table(runs).splitlines()}
+    assert "+10.0% †" in marked["topk-h64"] and "†" not in marked["int4-h64"]
+    assert report.mixed_numerics(runs["topk-h64"], runs["dense-h64"])
+    assert not report.mixed_numerics(runs["int4-h64"], runs["dense-h64"])

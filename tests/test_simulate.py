@@ -115,6 +115,7 @@ def test_the_command_prints_evaluations_and_writes_json(tmp_path, capsys) -> Non
     assert "step 1/2: held-out loss" in out and "final held-out loss (nats/byte):" in out
     record = json.loads((tmp_path / "sim.json").read_text())
     assert record["workers"] == 2 and record["parameters"] == 509_248 and len(record["evaluations"]) == 3
+    assert record["environment"]["torch"] == torch.__version__ and record["environment"]["threads"] >= 1
     assert main(["simulate", "--optimizer", "sgdd"]) == 2
     err = capsys.readouterr().err
     assert err == "gradwire simulate: --optimizer='sgdd' is not supported; allowed: sgd, adamw\n"

@@ -181,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
     ddp_bytes = 2 * (args.workers - 1) / args.workers * 4 * parameters
     sent = counter() / args.steps
     record.update(method=args.method, bytes_per_step=sent, bytes_ddp_per_step=ddp_bytes)
+    # the float kernels the run took: the same command on a CPU with other vector paths is another
+    # trajectory (docs/local-steps.md, "Two machines, two trajectories")
+    record["environment"] = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                             "threads": torch.get_num_threads()}
     if sim is not None:
         record.update(outer_steps=sim.outer_steps, bytes_outer=sim.bytes_outer, bytes_peak_sync=sim.bytes_peak_sync,
                       bytes_per_local_step=sim.bytes_outer / max(args.steps - sim.local.warmup_steps, 1))
