@@ -123,9 +123,10 @@ def quality_table(runs: dict[str, dict[int, dict[str, Any]]]) -> str:
                      f"{loss:.4f}{f' ± {spread:.4f}' if len(seeds) > 1 else ' (one seed)'} | {_paired(seeds, ddp)} | "
                      f"{_paired(seeds, reference) if reference is not seeds else '–'} | {_ratio(ratio)} | "
                      f"{_ratio(local_ratio)} | {_kb(first.get('bytes_peak_sync'))} | {_steps(steps)} |")
-    lines.append("\n† the pair's records of a seed were computed by different float kernels (their step-0 "
-                 "losses differ): the comparison carries the spread between two machines, not only the method's "
-                 "(\"Two machines, two trajectories\", under \"The simulator\").")
+    if any(" † |" in line for line in lines):  # the footnote only where a row carries the mark
+        lines.append("\n† the pair's records of a seed were computed by different float kernels (their step-0 "
+                     "losses differ): the comparison carries the spread between two machines, not only the "
+                     "method's (\"Two machines, two trajectories\", under \"The simulator\").")
     return "\n".join(lines)
 
 
