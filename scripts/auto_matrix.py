@@ -1,6 +1,6 @@
 """``collective="auto"`` against every fixed strategy, in one launch per cell (issue 17's matrix).
 
-    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 26] [--rounds 3]
+    python scripts/auto_matrix.py [--out bench-out/auto-matrix] [--steps 8] [--warmup-steps 32] [--rounds 3]
         [--models mlp,resnet18] [--workers 2,4] [--links loopback,cluster] [--bandwidths 1gbit,100mbit]
 
 For each model in {mlp, resnet18} and each link in {loopback, 1 Gbit/s, 100 Mbit/s} (the emulated
@@ -10,10 +10,11 @@ top-k 1% (fp16/Rice) through the payload AllGather, through the sparse AllReduce
 and over dense's (both measured in the same launch), and what auto ended on.
 
 The warm-up steps are untimed and long enough for auto's first trial (it starts 8 rounds after
-the first and takes 4 rounds per candidate, at most 4 candidates on one host — model, dense, and
-the AllGather and the sparse AllReduce forced when the model mixed them: so from step 24 on auto
-runs what it chose): the matrix compares steady states. The trial's own cost — 4 rounds under each losing
-candidate, once per 200 rounds — follows from the trial's measured times, which the matrix keeps.
+the first and takes two passes of 3 rounds per candidate, less the second pass's first warm-in, at
+most 4 candidates on one host — model, dense, and the AllGather and the sparse AllReduce forced when
+the model mixed them: 23 rounds, so from step 31 on auto runs what it chose): the matrix compares
+steady states. The trial's own cost — 6 rounds under each losing candidate, once per 200 rounds —
+follows from the trial's measured times, which the matrix keeps.
 With ``--rounds N`` each launch repeats the floors and the methods N times, every other round in
 reverse order, and each figure is the median over the rounds (one 8-step run per method swung by
 up to 17% between runs of the same exchange on 2 shared cores); auto's policy is each round's.
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", default="loopback,cluster", help="loopback and/or cluster (default both)")
     parser.add_argument("--bandwidths", default="1gbit,100mbit", help="the cluster's links (default 1gbit,100mbit)")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
-    parser.add_argument("--warmup-steps", type=int, default=26, help="untimed steps first (default 26)")
+    parser.add_argument("--warmup-steps", type=int, default=32, help="untimed steps first (default 32)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per launch, medians reported (default 3)")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the saved runs")

@@ -9,42 +9,62 @@ import pytest
 import torch
 
 import gradwire
-from gradwire.core.online import DENSE, MODEL, OnlineChoice
+from gradwire.core.online import DENSE, MODEL, OnlineChoice, trial_schedule
 
 from .distributed import run_workers
 
 
-def test_a_trial_runs_each_candidate_in_a_block_after_one_warm_in_round() -> None:
+def test_a_trial_runs_each_candidate_in_two_mirrored_passes_of_blocks_after_one_warm_in_round() -> None:
     online = OnlineChoice(trial_rounds=2)
     assert online.due(10) and online.policy(10) == MODEL
     online.start_trial(10, [MODEL, DENSE])
-    assert [online.policy(r) for r in range(10, 17)] == [MODEL, MODEL, MODEL, DENSE, DENSE, DENSE, MODEL]
+    # pass 1: M(warm-in) M M D(warm-in) D D; pass 2 mirrored: D D (no warm-in: D ran on) M(warm-in) M M
+    assert [online.policy(r) for r in range(10, 22)] == [MODEL] * 3 + [DENSE] * 5 + [MODEL] * 3 + [MODEL]
     assert not online.due(11)
+    schedule = trial_schedule(["a", "b", "c"], 3)
+    assert schedule == ["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["c"] * 3 + ["b"] * 4 + ["a"] * 4
 
 
-def _run_trial(online: OnlineChoice, start: int, seconds: dict[str, list[float]]) -> None:
-    """Feed every round of a trial its candidate's next time (every rank reports the same)."""
-    used = {name: iter(times) for name, times in seconds.items()}
-    online.start_trial(start, list(seconds))
-    for round_index in range(start, start + len(seconds) * (1 + online.trial_rounds)):
-        online.observe(round_index, [next(used[online.policy(round_index)])])
+def _run_trial(online: OnlineChoice, start: int, counted: dict[str, float], warm_in: float = 9.0,
+               drift: float = 0.0) -> None:
+    """Feed every round of a trial: a block's first round (the warm-in) takes ``warm_in`` seconds,
+    a counted round its candidate's ``counted`` time plus ``drift`` seconds per round since the
+    trial's start (every rank reports the same)."""
+    online.start_trial(start, list(counted))
+    rounds = len(trial_schedule(list(counted), online.trial_rounds))
+    for round_index in range(start, start + rounds):
+        name = online.policy(round_index)
+        warm = round_index == start or online.policy(round_index - 1) != name
+        online.observe(round_index, [warm_in if warm else counted[name] + drift * (round_index - start)])
 
 
 def test_the_faster_policy_wins_only_by_the_margin_and_warm_ins_do_not_count() -> None:
     online = OnlineChoice(trial_rounds=3, margin=0.05)
-    # the warm-in rounds (first of each) are slow for the model and must not count
-    _run_trial(online, 0, {MODEL: [9.0, 1.00, 1.02, 0.98], DENSE: [1.0, 0.97, 0.96, 0.97]})
+    _run_trial(online, 0, {MODEL: 1.0, DENSE: 0.97})  # the slow warm-ins must not count
     assert online.current == MODEL and online.measured == {MODEL: 1.0, DENSE: 0.97}  # 3% faster: no switch
     online2 = OnlineChoice(trial_rounds=3, margin=0.05)
-    _run_trial(online2, 0, {MODEL: [1.0, 1.3, 1.2, 1.25], DENSE: [1.0, 1.0, 0.99, 1.01]})
-    assert online2.current == DENSE and online2.switches == [(8, DENSE)]
+    _run_trial(online2, 0, {MODEL: 1.25, DENSE: 1.0})
+    assert online2.current == DENSE and online2.switches == [(15, DENSE)]  # 4 + 4 + 3 + 4 rounds
     assert online2.summary()["auto_policy"] == DENSE and online2.summary()["auto_seconds_model"] == 1.25
+
+
+def test_a_drift_over_the_trial_does_not_decide_it() -> None:
+    """The machine slows by 2% of a step per round: in one pass the later candidate would measure
+    6% slower (past the margin); mirrored, both centre on the same round and measure alike."""
+    online = OnlineChoice(trial_rounds=2, margin=0.05)
+    _run_trial(online, 0, {MODEL: 1.0, DENSE: 1.0}, drift=0.02)
+    assert online.current == MODEL and online.measured[MODEL] == pytest.approx(online.measured[DENSE])
+    online = OnlineChoice(trial_rounds=2, margin=0.05)  # dense, 10% faster, still wins against the drift
+    _run_trial(online, 0, {MODEL: 1.0, DENSE: 0.9}, drift=0.02)
+    assert online.current == DENSE and online.measured[MODEL] - online.measured[DENSE] == pytest.approx(0.1)
 
 
 def test_a_round_counts_at_its_slowest_rank() -> None:
     online = OnlineChoice(trial_rounds=1, margin=0.05)
-    online.start_trial(0, [MODEL, DENSE])
-    for round_index, times in enumerate([[1, 1], [0.5, 2.0], [1, 1], [1.0, 1.1]]):  # model fast on rank 0 only
+    online.start_trial(0, [MODEL, DENSE])  # M(warm-in) M D(warm-in) D D M(warm-in) M
+    fast_on_rank_0_only = [0.5, 2.0]
+    for round_index, times in enumerate([[1, 1], fast_on_rank_0_only, [1, 1], [1.0, 1.1], [1.0, 1.1], [1, 1],
+                                         fast_on_rank_0_only]):
         online.observe(round_index, times)
     assert online.measured == {MODEL: 2.0, DENSE: 1.1} and online.current == DENSE
 
@@ -69,7 +89,7 @@ def worker_switch(rank: int, world_size: int, slow_rank: int, fast_under: str) -
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     exchange = gradwire.GradientExchange(model, compressor="topk", density=0.05, collective="auto", link_gbit=0.001)
     planner_policies = []
-    for step in range(26):  # trials from round 8: three candidates x (1 + 3) rounds
+    for step in range(26):  # the trial: rounds 8 to 24 (three candidates, two passes of 1 + 2 rounds)
         model.zero_grad()
         generator = torch.Generator().manual_seed(100 * rank + step)
         model(torch.randn(16, 64, generator=generator)).square().mean().backward()

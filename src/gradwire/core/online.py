@@ -14,12 +14,19 @@ planner runs real rounds with each candidate *policy* and keeps the fastest:
   AllGather, some through the sparse AllReduce), each of them forced on every layout: a mix runs
   both kinds of rounds in one step, a cost no per-layout price sees.
 
-1. A trial is ``1 + trial_rounds`` rounds per candidate, in blocks (A A A A B B B B): the first
-   round of each block is a warm-in and not counted — it pays for the switch (a dense round
-   flushes every residual; a sparse one starts from empty residuals, a first length round, a
-   first threshold search) — so the counted rounds are each policy's steady state. (Interleaving
-   the rounds, tried first, made every dense round a flush and every sparse round a restart: it
-   measured neither as it runs.)
+1. A trial runs every candidate in two passes, the second in reverse order (A A A B B B | B B A A A):
+   each block is one warm-in round and ``trial_rounds`` counted ones (the pass's middle block runs
+   on without a second warm-in). The first round of a block is not counted — it pays for the
+   switch (a dense round flushes every residual; a sparse one starts from empty residuals, a first
+   length round, a first threshold search) — so the counted rounds are each policy's steady state.
+   (Interleaving the rounds, tried first, made every dense round a flush and every sparse round a
+   restart: it measured neither as it runs.) Why two passes: on a shared machine a step's time
+   drifts over tens of seconds (ResNet-18 at p = 4 on 2 cores: one fixed exchange at 2.58 s per
+   step in one round of a launch and 3.03 s in the next, docs/benchmarks.md, 2026-12-07), and in
+   one pass the last candidate drew whatever the machine did last. Mirrored, every candidate's
+   counted rounds centre on the same round, so a drift linear over the trial moves every
+   candidate's median alike and decides nothing, and a slow spell lands in one of a candidate's
+   two blocks, not all of its rounds.
 2. A round's time is this rank's wall time from the previous round's agreement to this one's: a
    whole training step (forward, backward with the exchanges, optimizer), measured where every
    front-end ends a round. It travels in the round's agreement, so every rank holds every rank's
@@ -40,8 +47,8 @@ from typing import Any, Mapping, Optional, Sequence
 logger = logging.getLogger("gradwire")
 
 MODEL, DENSE = "model", "dense"
-#: counted rounds per candidate in a trial (after one warm-in round each)
-TRIAL_ROUNDS = 3
+#: counted rounds per candidate and pass of a trial (after one warm-in round each; two passes)
+TRIAL_ROUNDS = 2
 #: rounds under the model before the first trial: the first rounds pay one-off costs (frame sizes,
 #: first threshold searches, allocations, the calibration itself) that say nothing of the steady state
 FIRST_TRIAL_AFTER = 8
@@ -51,11 +58,22 @@ RECHECK_EVERY = 200
 MARGIN = 0.05
 
 
+def trial_schedule(candidates: Sequence[str], counted: int) -> list[str]:
+    """The policy of each round of a trial: two passes over ``candidates``, the second reversed,
+    each block a warm-in round and ``counted`` counted ones; the second pass's first block continues
+    the first pass's last (no warm-in: its policy did not change). Every candidate gets ``2 *
+    counted`` counted rounds whose mean position is the same for all."""
+    first = [name for name in candidates for _ in range(1 + counted)]
+    mirrored = list(reversed(candidates))
+    second = [mirrored[0]] * counted + [name for name in mirrored[1:] for _ in range(1 + counted)]
+    return first + second
+
+
 class OnlineChoice:
     """The policy each round runs under, and the measured times that decide it (module docstring).
 
     Args:
-        trial_rounds: counted rounds per candidate in a trial.
+        trial_rounds: counted rounds per candidate in each of a trial's two passes.
         recheck_every: rounds between trials (after the first).
         margin: relative speed-up another policy needs to replace the current one.
     """
@@ -84,9 +102,10 @@ class OnlineChoice:
         self._samples = {name: [] for name in self.candidates}
         self._trial_start = round_index
         # in blocks: a policy's first round pays for the switch (dense flushes every residual, a
-        # sparse path starts from empty ones and learns frame sizes); its next rounds are its steady state
-        order = [name for name in self.candidates for _ in range(1 + self.trial_rounds)]
-        self._schedule = {round_index + i: name for i, name in enumerate(order)}
+        # sparse path starts from empty ones and learns frame sizes); its next rounds are its steady
+        # state. The second pass mirrors the first, its first block continuing the last one's policy
+        self._schedule = {round_index + i: name for i, name in enumerate(trial_schedule(self.candidates,
+                                                                                        self.trial_rounds))}
 
     @property
     def in_trial(self) -> bool:
