@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                               "auto_over_dense": seconds["auto"] / seconds["dense"],
                               "auto_policy": "/".join(str(a.get("policy")) for a in
                                                       by_method[METHODS["auto"]].get("auto_by_round", [auto_summary])),
-                              "auto_trial": {k: v for k, v in auto_summary.items() if k.startswith("seconds_")}})
+                              "auto_trial": {k: v for k, v in auto_summary.items()
+                                             if k.startswith(("seconds_", "rounds_"))}})
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps(cells, indent=2))
     print("\n| model | link | p | dense s | allgather s | sparse-allreduce s | auto s | auto policy | "

@@ -46,6 +46,7 @@ def test_the_faster_policy_wins_only_by_the_margin_and_warm_ins_do_not_count() -
     _run_trial(online2, 0, {MODEL: 1.25, DENSE: 1.0})
     assert online2.current == DENSE and online2.switches == [(15, DENSE)]  # 4 + 4 + 3 + 4 rounds
     assert online2.summary()["auto_policy"] == DENSE and online2.summary()["auto_seconds_model"] == 1.25
+    assert online2.summary()["auto_rounds_dense"] == [1.0] * 6  # 3 counted rounds in each pass, no warm-in
 
 
 def test_a_drift_over_the_trial_does_not_decide_it() -> None:

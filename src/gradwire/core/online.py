@@ -92,6 +92,9 @@ class OnlineChoice:
         self._samples: dict[str, list[float]] = {}
         #: the last finished trial's median seconds per candidate
         self.measured: dict[str, float] = {}
+        #: the last finished trial's counted rounds per candidate, in the order they ran (seconds,
+        #: at the slowest rank): what the medians were taken over, for stats(); not checkpointed
+        self.counted: dict[str, list[float]] = {}
         self.trials = 0
         self.switches: list[tuple[int, str]] = []
         self._said_dense = False
@@ -134,15 +137,19 @@ class OnlineChoice:
             self._decide(round_index)
 
     def summary(self) -> dict[str, object]:
-        """``auto_policy`` and the last trial's ``auto_seconds_<candidate>`` (per round, the
-        slowest rank's median), for ``stats()``."""
+        """``auto_policy``, the last trial's ``auto_seconds_<candidate>`` (per round, the slowest
+        rank's median) and ``auto_rounds_<candidate>`` (the counted rounds it is the median of, in
+        the order they ran), for ``stats()``."""
         out: dict[str, object] = {"auto_policy": self.current, "auto_trials": float(self.trials)}
         for name, seconds in self.measured.items():
             out[f"auto_seconds_{name}"] = seconds
+        for name, rounds in self.counted.items():
+            out[f"auto_rounds_{name}"] = list(rounds)
         return out
 
     def _decide(self, round_index: int) -> None:
         self.measured = {name: statistics.median(times) for name, times in self._samples.items() if times}
+        self.counted = {name: list(times) for name, times in self._samples.items() if times}
         best = min(self.measured, key=lambda name: (self.measured[name], name != self.current), default=self.current)
         if (best != self.current and self.current in self.measured
                 and self.measured[best] < (1.0 - self.margin) * self.measured[self.current]):
