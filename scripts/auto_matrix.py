@@ -19,7 +19,8 @@ With ``--rounds N`` each launch repeats the floors and the methods N times, ever
 reverse order, and each figure is the median over the rounds (one 8-step run per method swung by
 up to 17% between runs of the same exchange on 2 shared cores); auto's policy is each round's.
 Prints a table and writes
-``matrix.json``; the raw runs stay in ``--out/<model>-<links>/results.json``.
+``matrix.json`` (each cell with its rounds' times, floors, bytes and auto's trials); the raw runs
+stay in ``--out/<model>-<links>/results.json``.
 """
 
 from __future__ import annotations
@@ -83,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                               "auto_policy": "/".join(str(a.get("policy")) for a in
                                                       by_method[METHODS["auto"]].get("auto_by_round", [auto_summary])),
                               "auto_trial": {k: v for k, v in auto_summary.items()
-                                             if k.startswith(("seconds_", "rounds_"))}})
+                                             if k.startswith(("seconds_", "rounds_"))},
+                              # what the medians were taken over: each round's run, floor, bytes and trial
+                              "seconds_by_round": {n: by_method[spec].get("seconds_per_step_by_round")
+                                                   for n, spec in METHODS.items()},
+                              "bytes_per_step": {n: by_method[spec]["bytes_per_step"] for n, spec in METHODS.items()},
+                              "floor_seconds_by_round": by_method[METHODS["dense"]].get("floor_seconds_by_round"),
+                              "auto_by_round": by_method[METHODS["auto"]].get("auto_by_round")})
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps(cells, indent=2))
     print("\n| model | link | p | dense s | allgather s | sparse-allreduce s | auto s | auto policy | "
