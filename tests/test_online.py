@@ -50,8 +50,9 @@ def test_the_faster_policy_wins_only_by_the_margin_and_warm_ins_do_not_count() -
 
 
 def test_a_drift_over_the_trial_does_not_decide_it() -> None:
-    """The machine slows by 2% of a step per round: in one pass the later candidate would measure
-    6% slower (past the margin); mirrored, both centre on the same round and measure alike."""
+    """The machine slows by 2% of a step per round: in one pass of blocks the later candidate would
+    measure slower by more than the margin (6-10%, as it has 2 or 4 counted rounds); mirrored, both
+    centre on the same round and measure alike."""
     online = OnlineChoice(trial_rounds=2, margin=0.05)
     _run_trial(online, 0, {MODEL: 1.0, DENSE: 1.0}, drift=0.02)
     assert online.current == MODEL and online.measured[MODEL] == pytest.approx(online.measured[DENSE])
