@@ -20,7 +20,8 @@ reverse order, and each figure is the median over the rounds (one 8-step run per
 up to 17% between runs of the same exchange on 2 shared cores); auto's policy is each round's.
 Prints a table and writes
 ``matrix.json`` (each cell with its rounds' times, floors, bytes and auto's trials); the raw runs
-stay in ``--out/<model>-<links>/results.json``.
+stay in ``--out/<model>-<links>/results.json``, every run's steps in ``--out/<model>-<links>/steps/``
+(``metrics_by_round`` names them).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    for n, spec in METHODS.items()},
                               "bytes_per_step": {n: by_method[spec]["bytes_per_step"] for n, spec in METHODS.items()},
                               "floor_seconds_by_round": by_method[METHODS["dense"]].get("floor_seconds_by_round"),
+                              # each round's per-step records (step times, bytes, auto's policy per step)
+                              "metrics_by_round": {n: by_method[spec].get("metrics_path_by_round")
+                                                   for n, spec in METHODS.items()},
                               "auto_by_round": by_method[METHODS["auto"]].get("auto_by_round")})
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps(cells, indent=2))

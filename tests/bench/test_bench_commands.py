@@ -84,6 +84,14 @@ def test_bench_e2e_local_writes_report_and_plots(tmp_path) -> None:
         assert row["rounds"] == 2 and len(row["seconds_per_step_by_round"]) == 2
         # the reported time is the rounds' median (two rounds: their mean), not one round's
         assert row["seconds_per_step"] == pytest.approx(sum(row["seconds_per_step_by_round"]) / 2)
+        # each round's run keeps its steps (warm-up and measured), the median's raw material
+        paths = row["metrics_path_by_round"]
+        assert len(set(paths)) == 2 and all(f"round{i + 1}" in path for i, path in enumerate(paths))
+        for path, seconds in zip(paths, row["seconds_per_step_by_round"]):
+            records = [json.loads(line) for line in open(path)]
+            assert [r["step"] for r in records] == [0, 1, 2] and {r["method"] for r in records} == {row["method"]}
+            measured = sorted(r["seconds_step"] for r in records[1:])
+            assert seconds == pytest.approx(sum(measured) / 2)  # the round's median, over the measured steps
     allreduce, topk = results["rows"]
     # top-k's ratio is taken against the AllReduce row of the same run, not against itself
     assert topk["ratio_to_allreduce"] == pytest.approx(topk["seconds_per_step"] / allreduce["seconds_per_step"])

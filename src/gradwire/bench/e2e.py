@@ -12,7 +12,10 @@ Accuracy runs repeat over ``--accuracy-seeds`` and report mean and spread.
 
 Writes ``results.json``, ``report.md`` and PNG plots into ``--out``: per-iteration time stacked
 by phase, speedup vs AllReduce, bytes per step, and (with ``--accuracy``) test accuracy vs wall
-time of MNIST-5k runs.
+time of MNIST-5k runs. Every method run's per-step records (rank 0's step times, phases, bytes and,
+under ``collective=auto``, the policy each step ran) stay in
+``--out/steps/<workers>w-<link>-round<N>/metrics-<method>.jsonl``; a row's ``metrics_path_by_round``
+names them. A median over a run's steps hides when in the run a method was slow; these show it.
 """
 
 from __future__ import annotations
@@ -155,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
                                              barrier=True)[0])
                 order = methods if round_index % 2 == 0 else methods[::-1]
                 print(f"== {workers} workers, {label}: {len(methods)} methods{tag}", flush=True)
-                for summary in _launch(order, args, workers, bandwidth):
+                steps_out = os.path.join(args.out, "steps", f"{workers}w-{label}-round{round_index + 1}")
+                for summary in _launch(order, args, workers, bandwidth, out=steps_out):
+                    summary["metrics_path"] = os.path.join(steps_out, f"metrics-{file_slug(summary['method'])}.jsonl")
                     runs[summary["method"]].append(summary)
             floor = median([f["seconds_per_step"] for f in floors])
             synced_floor = median([f["seconds_per_step"] for f in synced_floors])
@@ -189,6 +194,7 @@ def _over_rounds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(summaries[0])
     merged["seconds_per_step_by_round"] = [s["seconds_per_step"] for s in summaries]
     merged["seconds_per_step"] = median(merged["seconds_per_step_by_round"])
+    merged["metrics_path_by_round"] = [s.get("metrics_path") for s in summaries]
     merged["phases"] = {key: median([s["phases"][key] for s in summaries]) for key in summaries[0]["phases"]}
     if any(s.get("auto") for s in summaries):  # auto may end on another strategy in another round
         merged["auto_by_round"] = [s.get("auto") or {} for s in summaries]
