@@ -90,7 +90,7 @@ def worker_switch(rank: int, world_size: int, slow_rank: int, fast_under: str) -
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     exchange = gradwire.GradientExchange(model, compressor="topk", density=0.05, collective="auto", link_gbit=0.001)
-    planner_policies = []
+    planner_policies, reported = [], []
     for step in range(26):  # the trial: rounds 8 to 24 (three candidates, two passes of 1 + 2 rounds)
         model.zero_grad()
         generator = torch.Generator().manual_seed(100 * rank + step)
@@ -101,8 +101,9 @@ def worker_switch(rank: int, world_size: int, slow_rank: int, fast_under: str) -
             time.sleep(0.08)
         planner_policies.append(policy)
         exchange.synchronize()
+        reported.append(exchange.stats().get("auto_ran"))
     stats = exchange.stats()
-    return {"policies": planner_policies, "switches": exchange.pipeline.planner.online.switches,
+    return {"policies": planner_policies, "reported": reported, "switches": exchange.pipeline.planner.online.switches,
             "policy": stats["auto_policy"], "choices": sorted(set(exchange.pipeline.planner.choices.values()))}
 
 
@@ -112,6 +113,9 @@ def test_the_online_switch_happens_on_the_same_round_on_every_rank(expected: str
     results = run_workers(worker_switch, 3, 1, expected, timeout=100)
     assert all(r["choices"] and "dense" not in r["choices"] for r in results), results  # the model chose compression
     assert len({tuple(r["policies"]) for r in results}) == 1  # every rank ran the same policy every round
+    # stats() says which policy each round ran (a trial's candidates, then the one kept)
+    assert all(r["reported"] == r["policies"] for r in results), results
+    assert {DENSE, MODEL} <= set(results[0]["reported"][8:25])
     assert len({tuple(map(tuple, r["switches"])) for r in results}) == 1
     assert all(r["policy"] == expected for r in results), results
     if expected == DENSE:  # the slow rank's model rounds decided it for everyone

@@ -80,6 +80,8 @@ class Planner:
             OnlineChoice() if config.collective == "auto" and sparsifier is not None and world_size > 1 else None)
         self._first_online_round: Optional[int] = None
         self._last_agreement: Optional[float] = None
+        #: the online policy of the latest round that asked for one (a trial's candidate, or the current)
+        self._last_policy: Optional[str] = None
 
     def reset(self) -> None:
         """Forget the per-layout choices and measurements (a checkpoint was loaded: every rank
@@ -87,7 +89,7 @@ class Planner:
         self.choices, self.predictions = {}, {}
         if self.online is not None:
             self.online = OnlineChoice()
-        self._first_online_round, self._last_agreement = None, None
+        self._first_online_round, self._last_agreement, self._last_policy = None, None, None
 
     # ---------------------------------------------------------------------------- choosing
     def plan(self, group: Group, step: int) -> Plan:
@@ -152,8 +154,15 @@ class Planner:
             self.online.observe(step, seconds)
 
     def summary(self) -> dict[str, object]:
-        """``auto``'s policy and measured times for ``stats()`` (empty when not measuring)."""
-        return self.online.summary() if self.online is not None else {}
+        """``auto``'s policy and measured times for ``stats()`` (empty when not measuring), and
+        ``auto_ran``: the policy the latest round ran under — during a trial, the candidate it timed
+        (``auto_policy`` is the one kept), so per-step records show where a trial ran."""
+        if self.online is None:
+            return {}
+        out = self.online.summary()
+        if self._last_policy is not None:
+            out["auto_ran"] = self._last_policy
+        return out
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """What a checkpoint keeps of the planner, or None when it keeps nothing (not ``auto``):
@@ -196,7 +205,8 @@ class Planner:
             self._first_online_round = step
         if step >= self._first_online_round + FIRST_TRIAL_AFTER and online.due(step):
             online.start_trial(step, self._candidates(online.current))
-        return online.policy(step)
+        self._last_policy = online.policy(step)
+        return self._last_policy
 
     def _candidates(self, current: str) -> list[str]:
         """The current policy, dense, the model's choices, the model's best non-dense strategy
