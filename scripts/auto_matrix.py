@@ -40,6 +40,24 @@ METHODS = {
 }
 
 
+def _steps(by_method: dict[str, dict]) -> dict[str, dict]:
+    """Every step of every round's run (warm-up included), from the runs' per-step records, so that
+    matrix.json alone shows when in a run a method was slow: ``step_seconds_by_round`` (rank 0's
+    step times) and ``auto_ran_by_round`` (the policy each of auto's steps ran; a trial shows as
+    its candidates). Empty where the records are gone (``--report-only`` on another machine)."""
+    seconds: dict[str, list[list[float]]] = {}
+    ran: list[list[object]] = []
+    for name, spec in METHODS.items():
+        paths = by_method[spec].get("metrics_path_by_round") or []
+        if not paths or not all(path and Path(path).exists() for path in paths):
+            return {}
+        rounds = [[json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()] for path in paths]
+        seconds[name] = [[round(r["seconds_step"], 4) for r in records] for records in rounds]
+        if name == "auto":
+            ran = [[r.get("auto_ran") for r in records] for records in rounds]
+    return {"step_seconds_by_round": seconds, "auto_ran_by_round": ran}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench-out/auto-matrix")
@@ -94,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                               # each round's per-step records (step times, bytes, auto's policy per step)
                               "metrics_by_round": {n: by_method[spec].get("metrics_path_by_round")
                                                    for n, spec in METHODS.items()},
+                              **_steps(by_method),
                               "auto_by_round": by_method[METHODS["auto"]].get("auto_by_round")})
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps(cells, indent=2))
