@@ -39,8 +39,7 @@ planner runs real rounds with each candidate *policy* and keeps the fastest:
    model, kept the model, and the fixed AllGather then ran 7% faster than ``auto`` in the same
    launches (docs/benchmarks.md, 2026-12-07, r7). A switch on noise costs at most the noise; the
    trial's counted rounds agreed with the fixed rows timed over the same steps within 4%. The
-   decision is a pure
-   function of agreed numbers: every rank switches on the same round.
+   decision is a pure function of agreed numbers: every rank switches on the same round.
 4. When dense wins, that is said once in the log: compression cannot win on this link (the hook's
    work costs more than the bytes it saves).
 """
