@@ -1,6 +1,7 @@
 """CPU per rank and step: plain DDP against the gradwire hook's dense path (4 gloo ranks, loopback).
 
     python scripts/hook_dense_cpu.py [--model mlp] [--workers 4] [--steps 30] [--rounds 3] [--profile]
+        [--methods allreduce,hook-dense]
 
 Where ``collective="auto"`` settles on dense it runs the hook's dense AllReduce, which adds to DDP's
 what makes every rank fail or skip the same step: the step-end agreement (one small AllGather) and
@@ -108,11 +109,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="which of allreduce, hook-dense to run (default both; one alone, e.g. under perf)")
     args = parser.parse_args()
-    medians: dict[str, list[float]] = {method: [] for method in METHODS}
+    methods = tuple(args.methods.split(","))
+    if not methods or set(methods) - set(METHODS):
+        parser.error(f"--methods: {args.methods!r}; allowed: {', '.join(METHODS)}")
+    medians: dict[str, list[float]] = {method: [] for method in methods}
     print("round  method      CPU ms/step per rank (median over steps)   wall ms/step per rank")
     for round_index in range(args.rounds):
-        order = METHODS if round_index % 2 == 0 else METHODS[::-1]
+        order = methods if round_index % 2 == 0 else methods[::-1]
         for method in order:
             cpu, wall, report = _launch(method, args)
             medians[method].append(statistics.median(cpu))
@@ -120,6 +126,9 @@ def main() -> int:
                   f"{' '.join(f'{w:6.1f}' for w in wall)}", flush=True)
             if report:
                 print(report)
+    if len(methods) < 2:
+        print(f"median over rounds of the ranks' median: {methods[0]} {statistics.median(medians[methods[0]]):.1f} ms")
+        return 0
     plain, hook = statistics.median(medians["allreduce"]), statistics.median(medians["hook-dense"])
     print(f"median over rounds of the ranks' median: allreduce {plain:.1f} ms, hook-dense {hook:.1f} ms "
           f"({hook / plain:.3f}x); per round: allreduce {[round(v, 1) for v in medians['allreduce']]}, "

@@ -161,3 +161,69 @@ def test_timeout_messages_state_the_limit_that_applied() -> None:
         assert "within" not in messages[case] and "None" not in messages[case]
     assert messages["checked"].startswith("step 3: AllReduce failed after ")
     assert "before its 30 s limit" in messages["checked"] and "time limit 30" not in messages["checked"]
+
+
+class _RecordingWork(_Work):
+    """A stand-in that records the limit it was asked to wait under."""
+
+    def wait(self, timeout=None) -> bool:
+        self.timeout = timeout
+        return True
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.0004])
+def test_a_limit_under_a_millisecond_is_still_a_limit(seconds: float) -> None:
+    """c10d counts whole milliseconds and reads 0 ms as "no limit": what is left of a deadline
+    (a fraction of a millisecond) must not turn into an unbounded wait."""
+    import datetime
+
+    from gradwire.lifetime import wait_for
+
+    work = _RecordingWork()
+    wait_for(work, seconds, "AllReduce", keep=False)
+    assert work.timeout >= datetime.timedelta(milliseconds=1)
+
+
+def _late_peer_worker(rank: int, world_size: int) -> dict:
+    """A dense round whose peer starts 1 s late: rank 0 waits for it at the round's end."""
+    import time
+
+    from gradwire.core.config import ExchangeConfig
+    from gradwire.core.group import BufferTarget, Entry, Group
+    from gradwire.core.pipeline import Pipeline
+
+    polls = []
+    done = Launched.done
+
+    def counted(self: Launched) -> bool:  # this process only: counts how often the round asks
+        polls.append(1)
+        return done(self)
+
+    Launched.done = counted  # type: ignore[method-assign]
+    pipeline = Pipeline(ExchangeConfig(compressor="topk", density=0.05, collective="dense",
+                                       collective_timeout=20.0))
+    pipeline.check_config()
+    buffer = torch.full((50_000,), float(rank + 1))
+    group = Group(BufferTarget([buffer]), [Entry(0, 0, buffer, 0)], divisor=2.0)
+    if rank == 1:
+        time.sleep(1.0)
+    started = time.perf_counter()
+    exchange = pipeline.start(group, 0)
+    pipeline.complete([group], [exchange], 0)
+    waited = time.perf_counter() - started
+    verdict = pipeline.agree([group], 0)
+    return {"polls": len(polls), "waited": waited, "action": verdict.action, "first": buffer[0].item()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_the_round_waits_for_a_late_peer_in_the_backend_not_by_polling() -> None:
+    """Polling every 0.5 ms asked ~2000 times over the late peer's second (each wake-up CPU that
+    4 ranks on 2 cores take from one another); waiting in gloo asks a few times."""
+    from tests.distributed import run_workers
+
+    results = run_workers(_late_peer_worker, 2, timeout=50)
+    assert [r["action"] for r in results] == ["apply", "apply"]
+    assert [r["first"] for r in results] == [1.5, 1.5]
+    assert results[0]["waited"] >= 0.8  # rank 0 did wait for its peer
+    assert results[0]["polls"] < 20, results[0]

@@ -40,6 +40,8 @@ import torch.distributed as dist
 #: sparse exchange's regions); once this many later ones were waited for, an old one's backend thread
 #: has long let go of it.
 RECENT_WORKS = 16
+#: the shortest limit :func:`wait_for` passes to ``Work.wait`` (c10d's unit, and its 0 means none)
+_SHORTEST_WAIT_SECONDS = 1e-3
 
 _recent: Deque[Any] = collections.deque(maxlen=RECENT_WORKS)
 #: asynchronous works, held by their owners (weakly here: only to find them at exit)
@@ -85,7 +87,9 @@ def wait_for(work: Any, timeout: Optional[float], collective: str, *, keep: bool
     try:
         if timeout is None:
             return work.wait()
-        return work.wait(timeout=datetime.timedelta(seconds=timeout))
+        # c10d counts the limit in whole milliseconds and reads 0 ms as "no limit": a limit under
+        # 1 ms (what is left of a deadline) must not become an unbounded wait
+        return work.wait(timeout=datetime.timedelta(seconds=max(timeout, _SHORTEST_WAIT_SECONDS)))
     except Exception as error:
         raise RuntimeError(f"{collective} {describe_failure(timeout, time.monotonic() - started)}: {error}") from error
 

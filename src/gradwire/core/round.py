@@ -44,8 +44,6 @@ from .group import Group, Status
 from .stats import ExchangeStats
 from .strategies.base import Exchange
 
-_POLL_SECONDS = 0.0005
-
 APPLY, SKIP, RAISE = "apply", "skip", "raise"
 
 
@@ -75,7 +73,8 @@ class Round:
         deadline = time.monotonic() + self.config.collective_timeout
         for exchange in in_flight:
             while not exchange.done():
-                if time.monotonic() > deadline:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     error = CollectiveError(
                         f"an exchange of step {step} did not complete within collective_timeout="
                         f"{self.config.collective_timeout} s: a peer may be dead, stuck, or training without "
@@ -84,7 +83,7 @@ class Round:
                         if group.status == Status.PENDING:
                             group.mark_failed(error)
                     return
-                time.sleep(_POLL_SECONDS)
+                exchange.block(remaining)  # in the backend on the CPU: no wake-ups while gloo runs
             exchange.complete()
 
     def agree(self, groups: Sequence[Group], step: int, extras: Sequence[int] = ()) -> Verdict:

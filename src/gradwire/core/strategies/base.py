@@ -37,6 +37,9 @@ from ...exchange.inflight import Launched
 from ..group import Group, Status
 from ..stats import ExchangeStats
 
+#: how long a waiter off the CPU sleeps between two polls of its collective (:meth:`Exchange.block`)
+POLL_SECONDS = 0.0005
+
 
 @dataclass
 class ExchangeContext:
@@ -159,6 +162,18 @@ class Exchange:
     def done(self) -> bool:
         """Whether :meth:`complete` would return without waiting on the wire."""
         return self.completed or self.launched.done()
+
+    def block(self, seconds: float) -> None:
+        """Sleep until the collective completes or fails, at most ``seconds``; finishes nothing.
+        On the CPU it blocks in the backend (:meth:`~gradwire.exchange.inflight.Launched.block`);
+        elsewhere it sleeps one poll interval, as before (NCCL's ``Work.wait`` only orders streams
+        unless blocking waits are configured, so there the poll is what waits)."""
+        if self.completed:
+            return
+        if self.group.device.type == "cpu":
+            self.launched.block(seconds)
+        else:
+            time.sleep(min(seconds, POLL_SECONDS))
 
     def complete(self, timeout: Optional[float] = None) -> None:
         """Wait up to ``timeout`` seconds, then finish the group; a failed or late collective
