@@ -49,6 +49,17 @@ def test_the_faster_policy_wins_only_by_the_margin_and_warm_ins_do_not_count() -
     assert online2.summary()["auto_rounds_dense"] == [1.0] * 6  # 3 counted rounds in each pass, no warm-in
 
 
+@pytest.mark.parametrize("announce", [True, False])
+def test_dense_winning_is_said_once_and_only_by_the_announcing_rank(announce: bool,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    online = OnlineChoice(trial_rounds=2, announce=announce)
+    with caplog.at_level("WARNING", logger="gradwire"):
+        _run_trial(online, 0, {MODEL: 1.25, DENSE: 1.0})
+        _run_trial(online, 400, {DENSE: 1.0, MODEL: 1.25})  # a recheck keeps dense: nothing more to say
+    said = [r.getMessage() for r in caplog.records if "compression cannot win" in r.getMessage()]
+    assert online.current == DENSE and len(said) == (1 if announce else 0)
+
+
 def test_a_drift_over_the_trial_does_not_decide_it() -> None:
     """The machine slows by 2% of a step per round: in one pass of blocks the later candidate would
     measure slower by more than the margin (6-10%, as it has 2 or 4 counted rounds); mirrored, both

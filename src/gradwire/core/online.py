@@ -40,8 +40,9 @@ planner runs real rounds with each candidate *policy* and keeps the fastest:
    launches (docs/benchmarks.md, 2026-12-07, r7). A switch on noise costs at most the noise; the
    trial's counted rounds agreed with the fixed rows timed over the same steps within 4%. The
    decision is a pure function of agreed numbers: every rank switches on the same round.
-4. When dense wins, that is said once in the log: compression cannot win on this link (the hook's
-   work costs more than the bytes it saves).
+4. When dense wins, that is said once in the log, by one rank (the planner's rank 0; the decision
+   is every rank's, and 64 identical warnings say nothing more): compression cannot win on this
+   link (the hook's work costs more than the bytes it saves).
 """
 
 from __future__ import annotations
@@ -82,14 +83,17 @@ class OnlineChoice:
         trial_rounds: counted rounds per candidate in each of a trial's two passes.
         recheck_every: rounds between trials (after the first).
         margin: relative speed-up another policy needs to replace the current one.
+        announce: whether this rank logs that dense won (module docstring, 4).
     """
 
     def __init__(self, *, trial_rounds: int = TRIAL_ROUNDS, recheck_every: int = RECHECK_EVERY,
-                 margin: float = MARGIN) -> None:
+                 margin: float = MARGIN, announce: bool = True) -> None:
         if trial_rounds < 1 or recheck_every < 1 or not 0 <= margin < 1:
             raise ValueError(f"trial_rounds={trial_rounds} and recheck_every={recheck_every} must be >= 1 and "
                              f"margin={margin} in [0, 1)")
         self.trial_rounds, self.recheck_every, self.margin = trial_rounds, recheck_every, margin
+        #: whether this instance logs the decision (step 4): one rank's, as the decision is every rank's
+        self.announce = announce
         self.current = MODEL
         self.candidates: list[str] = []
         #: round index -> the policy it ran under, for the rounds of the current trial
@@ -164,7 +168,7 @@ class OnlineChoice:
         self.trials += 1
         self._last_trial_end = round_index
         self._trial_start, self._schedule = None, {}
-        if self.current == DENSE and not self._said_dense:
+        if self.current == DENSE and not self._said_dense and self.announce:
             self._said_dense = True
             shown = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in sorted(self.measured.items()))
             logger.warning("gradwire auto: the dense AllReduce measured fastest per step (%s): compression cannot "

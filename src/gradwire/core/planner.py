@@ -77,18 +77,23 @@ class Planner:
         #: the model's predicted seconds per strategy, per layout
         self.predictions: dict[tuple[int, ...], dict[str, float]] = {}
         self.online: Optional[OnlineChoice] = (
-            OnlineChoice() if config.collective == "auto" and sparsifier is not None and world_size > 1 else None)
+            self._new_online() if config.collective == "auto" and sparsifier is not None and world_size > 1 else None)
         self._first_online_round: Optional[int] = None
         self._last_agreement: Optional[float] = None
         #: the online policy of the latest round that asked for one (a trial's candidate, or the current)
         self._last_policy: Optional[str] = None
+
+    def _new_online(self) -> OnlineChoice:
+        """The online check; rank 0 of the process group says when dense won (once, not per rank)."""
+        rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
+        return OnlineChoice(announce=rank == 0)
 
     def reset(self) -> None:
         """Forget the per-layout choices and measurements (a checkpoint was loaded: every rank
         chooses again from the same point)."""
         self.choices, self.predictions = {}, {}
         if self.online is not None:
-            self.online = OnlineChoice()
+            self.online = self._new_online()
         self._first_online_round, self._last_agreement, self._last_policy = None, None, None
 
     # ---------------------------------------------------------------------------- choosing
@@ -187,7 +192,7 @@ class Planner:
             raise ValueError(f"hook state: 'planner' is malformed ({error!r})") from None
         online = None
         if self.online is not None and state.get("online") is not None:
-            online = OnlineChoice()
+            online = self._new_online()
             online.load_state_dict(state["online"])
         self.choices, self.predictions = choices, predictions
         if online is not None:
