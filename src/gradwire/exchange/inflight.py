@@ -53,7 +53,7 @@ class Launched(Generic[T]):
         never raises and never finishes: :meth:`result` reports a failure. A waiter that must
         keep a deadline of its own (the round's ``collective_timeout``) blocks in the backend
         (gloo's condition variable) instead of polling :meth:`done` with sleeps: on 2 cores shared
-        by 4 ranks, ~60 wake-ups per step cost each rank 1.5-3 ms of CPU per step on the MLP
+        by 4 ranks, ~60 wake-ups per step cost each rank 1.7-3.5 ms of CPU per step on the MLP
         (docs/benchmarks.md, "The round's wait")."""
         if self.work is None:
             return
