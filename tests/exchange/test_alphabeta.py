@@ -30,6 +30,9 @@ def test_formulas() -> None:
     # by default one level (the hook's hint) of bins sized by k: 64 for k = 800
     default = sparse_allreduce_cost(800, 4, 8.0)
     assert default.bytes_sent == 4800 + 24 + 1.5 * 4 * (64 + 16 + 2) + 4800 + 24 and default.rounds == 6 * 3
+    # two ranks sum a histogram in one exchange: 4 + 2 rounds for two levels, the same bytes as two rounds
+    two = sparse_allreduce_cost(800, 2, 8.0, summary_size=16, levels=2)
+    assert two.rounds == 6 and two.bytes_sent == 3200 + 8 + 4 * (2 * 16 + 16 + 2) + 3200 + 8
     assert Link.from_rate(10).beta == pytest.approx(0.8e-9)
 
 

@@ -69,6 +69,15 @@ def _scenarios(rank: int, world_size: int, group: dist.ProcessGroup) -> dict:
         tensor = (torch.arange(words, dtype=torch.int64) * (rank + 1) + 1000 * rank).to(dtype)
         sums[str(dtype)] = allreduce_sum_exact(tensor, group, what="test", collective="sum").tolist()
     out["sums"] = sums
+    # its rounds, counted on the real collective: two ranks swap their tensors in one
+    rounds, real = [], dist.all_to_all_single
+    dist.all_to_all_single = lambda *args, **kwargs: rounds.append(1) or real(*args, **kwargs)
+    try:
+        out["sum_of_64"] = allreduce_sum_exact(torch.arange(64, dtype=torch.int32) * (rank + 1), group, what="test",
+                                               collective="sum").tolist()
+    finally:
+        dist.all_to_all_single = real
+    out["sum_rounds"] = len(rounds)
     return out
 
 
@@ -155,6 +164,17 @@ def test_the_exact_allreduce_sums_any_integer_type(every_size: list[dict], world
     for dtype, words in [("torch.int16", 5), ("torch.int64", 7), ("torch.int32", 1)]:
         expected = sum(torch.arange(words) * (rank + 1) + 1000 * rank for rank in range(world_size)).tolist()
         assert all(r[dtype] == expected for r in results)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size, rounds", [(2, 1), (3, 2)])
+def test_the_exact_allreduce_takes_one_round_for_two_ranks(every_size: list[dict], world_size: int,
+                                                           rounds: int) -> None:
+    """p = 2: each rank's whole tensor to the other (the bytes of a reduce-scatter and an AllGather
+    at p = 2, in one round); more ranks: the reduce-scatter, then the AllGather."""
+    results = [r[world_size] for r in every_size[:world_size]]
+    expected = (torch.arange(64) * sum(range(1, world_size + 1))).tolist()
+    assert all(r["sum_of_64"] == expected and r["sum_rounds"] == rounds for r in results)
 
 
 def test_exact_allreduce_bytes_add_up_to_a_ring() -> None:

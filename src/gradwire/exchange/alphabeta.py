@@ -29,7 +29,7 @@ quantized AllReduce        2(p-1)          2(p-1) · Q(ceil(n/p))  (b bits, bloc
 shared-support AllReduce   2(p-1)          2(p-1)/p · v(k+1)   (v: bytes per value)         0
 payload AllGather          (p-1)·r         (p-1) · (k e + h)   (r: 2 with a length round)   (p-1) k
 sparse AllReduce           (4+2H)(p-1)     (p-1)/p · k e + (p-1) · ι k/p · e + 16(p-1)      2k
-                                           + 2(p-1)/p · w (H W + s)   (ι: busiest / mean)
+                           (4+H at p=2)    + 2(p-1)/p · w (H W + s)   (ι: busiest / mean)
 hierarchical (intra)       4(L-1)          (L-1)/L · 4n + (L-1) · (12 k/L + 20)             (L-1) k/L
 hierarchical (cross)       sparse AllReduce of the shard: k/L entries over N nodes
 =========================  ==============  ===============================================  ============
@@ -40,7 +40,8 @@ the quantized AllReduce's rounds are its reduce-scatter and AllGather ``all_to_a
 decoded entries. It is lossy (the caller's error feedback keeps what it drops): offer it to
 :func:`choose` only where that is acceptable.
 The sparse AllReduce's rounds are the counts and data of its reduce-scatter, a reduce-scatter and
-an AllGather (``all_to_all_single``) per histogram level, and the lengths and data of its
+an AllGather (``all_to_all_single``) per histogram level (one exchange at p = 2, the same bytes:
+:func:`.allreduce_sum_exact`), and the lengths and data of its
 AllGather (:mod:`.sparse_allreduce`); its bytes are those its code hands to the collectives
 (contributions assumed disjoint: the worst case for the reduce-scatter). The model takes ``H = 1``
 level by default, the steady state of the hook, which passes each layout's previous threshold as
@@ -197,7 +198,9 @@ def sparse_allreduce_cost(k: int, world_size: int, entry_bytes: float = 8.0, *, 
     reduce_scatter = (p - 1) / p * k * entry_bytes + 8 * (p - 1)
     histograms = 2 * (p - 1) / p * count_bytes * (levels * bins + status_words)
     allgather = (p - 1) * min(imbalance, p) * k / p * entry_bytes + 8 * (p - 1)
-    return Cost("sparse-allreduce", (4 + 2 * levels) * (p - 1), reduce_scatter + histograms + allgather, 2.0 * k)
+    level_rounds = 1 if p == 2 else 2  # allreduce_sum_exact: one exchange for two ranks
+    return Cost("sparse-allreduce", (4 + level_rounds * levels) * (p - 1), reduce_scatter + histograms + allgather,
+                2.0 * k)
 
 
 def hierarchical_cost(numel: int, k: int, nodes: int, local_size: int, entry_bytes: float = 8.0, *,

@@ -304,7 +304,10 @@ def exact_allreduce_bytes(words: int, word_bytes: int, rank: int, world_size: in
 def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
                         collective: str) -> torch.Tensor:
     """SUM over the ranks of a 1-D integer ``tensor``, as a reduce-scatter then an AllGather, each one
-    ``all_to_all_single`` of the raw bytes.
+    ``all_to_all_single`` of the raw bytes; for two ranks, one ``all_to_all_single`` of the whole
+    tensor each way (the same bytes as the two rounds at p = 2, one round fewer: a sparse
+    AllReduce runs one such sum per threshold level, and on 2 ranks every round is a wait for the
+    slower one).
 
     Integer sums are exact, so every rank gets the same tensor whatever the order of additions;
     moving bytes lets any integer dtype travel (gloo has no int16 collectives); and every rank
@@ -318,7 +321,8 @@ def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
         (m,) the sum, same dtype and device.
 
     Raises:
-        CollectiveError: a round failed (named ``"<collective> (reduce-scatter)"`` / ``"(allgather)"``).
+        CollectiveError: a round failed (named ``"<collective> (reduce-scatter)"`` / ``"(allgather)"``,
+            for two ranks ``"<collective> (exchange)"``).
         ValueError: ``tensor`` is not a 1-D integer tensor.
     """
     if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
@@ -328,6 +332,8 @@ def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
     if size == 1:
         return tensor.clone()
     width = tensor.element_size()
+    if size == 2:
+        return _sum_of_two(tensor, me, group, what=what, collective=collective)
     chunks = exact_allreduce_chunks(tensor.numel(), size)
     own = chunks[me]
     sent_bytes = tensor.contiguous().view(torch.uint8)
@@ -342,3 +348,16 @@ def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
                                   input_split_sizes=[own * width] * size, group=group, async_op=True)
     wait_checked(work, what, f"{collective} (allgather)")
     return gathered.view(tensor.dtype)
+
+
+def _sum_of_two(tensor: torch.Tensor, me: int, group: Optional[dist.ProcessGroup], *, what: str,
+                collective: str) -> torch.Tensor:
+    """:func:`allreduce_sum_exact` for two ranks: each sends its whole tensor to the other, one round
+    (``m`` words each way, as the reduce-scatter and AllGather send at p = 2)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    sizes = [0, nbytes] if me == 0 else [nbytes, 0]
+    received = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
+    work = dist.all_to_all_single(received, tensor.contiguous().view(torch.uint8), output_split_sizes=sizes,
+                                  input_split_sizes=sizes, group=group, async_op=True)
+    wait_checked(work, what, f"{collective} (exchange)")
+    return tensor + received.view(tensor.dtype)

@@ -34,7 +34,8 @@ the histograms add at most 1/4 byte per kept entry for ``k >= 4096``. An imbalan
 ``(p-1) * k`` in step 3; :func:`.balanced_boundaries` keeps regions even. The exact bytes this rank
 handed to the collectives (its own share excluded) are in ``SparseAllreduceResult.sent_by_collective``
 (one ``"threshold histogram <l>"`` key per level; :func:`.exact_allreduce_bytes` gives each). Rounds:
-``(4 + 2L)(p-1)`` counted as in :mod:`.alphabeta` (each ``all_to_all_single`` ``p - 1``).
+``(4 + 2L)(p-1)`` counted as in :mod:`.alphabeta` (each ``all_to_all_single`` ``p - 1``; ``4 + L`` at
+p = 2, where a histogram's sum is one exchange).
 
 **How many survive** (``N`` the reduced support): all ``N`` when ``k >= N``, none when ``k = 0``,
 else ``k <= survivors <= k + max(max(4, k // 32), T - 1)``, ``T`` the entries tied at the k-th
