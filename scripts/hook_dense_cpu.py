@@ -1,7 +1,7 @@
 """CPU per rank and step: plain DDP against the gradwire hook's dense path (4 gloo ranks, loopback).
 
     python scripts/hook_dense_cpu.py [--model mlp] [--workers 4] [--steps 30] [--rounds 3] [--profile]
-        [--methods allreduce,hook-dense]
+        [--methods allreduce,hook-dense] [--spec SPEC ...]
 
 Where ``collective="auto"`` settles on dense it runs the hook's dense AllReduce, which adds to DDP's
 what makes every rank fail or skip the same step: the step-end agreement (one small AllGather) and
@@ -9,7 +9,9 @@ the digest of the averaged gradients (fused with the division). On 2 cores share
 wall time of one step swings by 10-25% between launches, so this reports each rank's *process* CPU
 time per step (``time.process_time``: the training thread and gloo's threads), median over the
 steps after 6 untimed ones, with the two methods alternating for ``--rounds`` rounds. ``--profile``
-adds a cProfile of rank 0's steps under the hook.
+adds a cProfile of rank 0's steps under the hook. ``--spec`` adds any method of ``gradwire train``
+(e.g. ``topk:density=0.01,values=fp16,indices=rice,collective=sparse-allreduce``) as one more row;
+given alone, it replaces the two default ones.
 """
 
 from __future__ import annotations
@@ -40,16 +42,19 @@ def _worker(rank: int, world: int, port: int, method: str, model_name: str, step
 
     workload = build_workload(model_name, "synthetic", seed=0)
     model = torch.nn.parallel.DistributedDataParallel(workload.model)
-    if method == "hook-dense":
-        state = gradwire.CommHookState(compressor="topk", density=0.01, collective="dense",
-                                       process_group=dist.group.WORLD)
+    if method != "allreduce":
+        from gradwire.harness.methods import parse_method
+
+        options = (dict(compressor="topk", density=0.01, collective="dense") if method == "hook-dense"
+                   else parse_method(method).hook_options())
+        state = gradwire.CommHookState(**options, process_group=dist.group.WORLD)
         model.register_comm_hook(state, gradwire.comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = torch.utils.data.DataLoader(workload.train, batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(rank), drop_last=True)
     batches = iter(loader)
     cpu, wall = [], []
-    profiler = cProfile.Profile() if profile and rank == 0 and method == "hook-dense" else None
+    profiler = cProfile.Profile() if profile and rank == 0 and method != "allreduce" else None
     for step in range(steps):
         try:
             inputs, targets = next(batches)
@@ -109,12 +114,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="which of allreduce, hook-dense to run (default both; one alone, e.g. under perf)")
+    parser.add_argument("--methods", default=None,
+                        help="which of allreduce, hook-dense to run (default both, unless --spec is given; one "
+                             "alone, e.g. under perf)")
+    parser.add_argument("--spec", action="append", default=[],
+                        help="a gradwire method spec to run as one more row (repeatable)")
     args = parser.parse_args()
-    methods = tuple(args.methods.split(","))
-    if not methods or set(methods) - set(METHODS):
-        parser.error(f"--methods: {args.methods!r}; allowed: {', '.join(METHODS)}")
+    named = args.methods if args.methods is not None else ("" if args.spec else ",".join(METHODS))
+    methods = tuple(m for m in named.split(",") if m) + tuple(args.spec)
+    if not methods or set(methods) - set(METHODS) - set(args.spec):
+        parser.error(f"--methods: {args.methods!r}; allowed: {', '.join(METHODS)} (and --spec SPEC)")
     medians: dict[str, list[float]] = {method: [] for method in methods}
     print("round  method      CPU ms/step per rank (median over steps)   wall ms/step per rank")
     for round_index in range(args.rounds):
@@ -126,8 +135,10 @@ def main() -> int:
                   f"{' '.join(f'{w:6.1f}' for w in wall)}", flush=True)
             if report:
                 print(report)
-    if len(methods) < 2:
-        print(f"median over rounds of the ranks' median: {methods[0]} {statistics.median(medians[methods[0]]):.1f} ms")
+    if set(methods) != set(METHODS):
+        for method in methods:
+            print(f"median over rounds of the ranks' median: {method} {statistics.median(medians[method]):.1f} ms "
+                  f"(per round {[round(v, 1) for v in medians[method]]})")
         return 0
     plain, hook = statistics.median(medians["allreduce"]), statistics.median(medians["hook-dense"])
     print(f"median over rounds of the ranks' median: allreduce {plain:.1f} ms, hook-dense {hook:.1f} ms "
