@@ -331,9 +331,9 @@ def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
     size, me = group_size(group), group_rank(group)
     if size == 1:
         return tensor.clone()
-    width = tensor.element_size()
     if size == 2:
         return _sum_of_two(tensor, me, group, what=what, collective=collective)
+    width = tensor.element_size()
     chunks = exact_allreduce_chunks(tensor.numel(), size)
     own = chunks[me]
     sent_bytes = tensor.contiguous().view(torch.uint8)
