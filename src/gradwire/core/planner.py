@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from ..exchange.alphabeta import Link
+from ..exchange.checked import group_rank
 from ..sparsify.base import Sparsifier
 from .config import CAST_VALUE_CODECS, ExchangeConfig
 from .costs import Calibration, calibrate, candidates, entry_bytes, predicted_seconds
@@ -85,8 +86,7 @@ class Planner:
 
     def _new_online(self) -> OnlineChoice:
         """The online check; rank 0 of the process group says when dense won (once, not per rank)."""
-        rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
-        return OnlineChoice(announce=rank == 0)
+        return OnlineChoice(announce=group_rank(self.process_group) == 0)
 
     def reset(self) -> None:
         """Forget the per-layout choices and measurements (a checkpoint was loaded: every rank
