@@ -14,6 +14,10 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 from ..lifetime import track, wait_for
 
+#: how long a waiter sleeps between two polls of a collective it cannot block on (off the CPU), or
+#: after a blocking wait that returned early without completing (:meth:`Launched.block`)
+POLL_SECONDS = 0.0005
+
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -61,7 +65,7 @@ class Launched(Generic[T]):
             wait_for(self.work, seconds, self.collective, keep=False)
         except RuntimeError:  # failed, or still running after `seconds`: done() and result() tell which
             if not self.done():  # a wait that ends early without completing must not make its caller spin
-                time.sleep(min(seconds, 0.0005))
+                time.sleep(min(seconds, POLL_SECONDS))
 
     def result(self, timeout: Optional[float] = None) -> T:
         """Wait for the collective, then finish it once, on this thread.

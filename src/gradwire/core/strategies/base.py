@@ -33,12 +33,9 @@ import torch.distributed as dist
 from ...codecs.base import IndexCodec, ValueCodec
 from ...errors import CollectiveError, collective_failed
 from ...exchange.checked import time_limit
-from ...exchange.inflight import Launched
+from ...exchange.inflight import POLL_SECONDS, Launched
 from ..group import Group, Status
 from ..stats import ExchangeStats
-
-#: how long a waiter off the CPU sleeps between two polls of its collective (:meth:`Exchange.block`)
-POLL_SECONDS = 0.0005
 
 
 @dataclass
