@@ -87,12 +87,17 @@ def test_collectives_are_identity_for_one_rank() -> None:
 
 
 def test_finite_check_is_exact() -> None:
-    from gradwire.core.group import all_finite as _all_finite
+    from gradwire.finite import all_finite, finite_flag
 
-    assert _all_finite(torch.randn(1000))
-    assert _all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the values do not
-    assert not _all_finite(torch.tensor([1.0, float("nan")]))
-    assert not _all_finite(torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16))
+    for check in (all_finite, lambda t: bool(finite_flag(t))):
+        assert check(torch.randn(1000))
+        assert check(torch.tensor([3e38, 3e38]))  # the sum overflows; the values do not
+        assert check(torch.empty(0))
+        assert not check(torch.tensor([1.0, float("nan")]))
+        assert not check(torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16))
+        assert not check(torch.tensor([float("inf"), -float("inf")]))  # the sum is NaN, as it should be
+    flag = finite_flag(torch.ones(3))
+    assert flag.dtype == torch.bool and flag.dim() == 0
 
 
 @pytest.mark.parametrize("decay", [1.0, 0.5])

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gradwire"
 #: and within its own layer only what SAME_LAYER allows (codecs, sparsify, exchange and lowrank
 #: never import each other).
 LAYERS = (
-    ("leaves", {"errors", "sparse", "configurable", "tables", "lifetime", "kernels", "_native", "_prefetch"}),
+    ("leaves", {"errors", "sparse", "configurable", "tables", "lifetime", "kernels", "_native", "_prefetch", "finite"}),
     ("parts", {"codecs", "sparsify", "exchange", "lowrank"}),
     ("core", {"core"}),
     ("front-ends", {"ddp", "hook", "tensors", "fsdp", "local_steps", "integrations"}),

@@ -141,12 +141,14 @@ def quantized_allreduce_cost(numel: int, world_size: int, *, bits: int, block_si
     """:func:`.quantized_allreduce` of ``numel`` float32 values.
 
     A quantized reduce-scatter and an AllGather of the re-quantized shards, each ``(p-1)`` chunks
-    of ``quantized_bytes(ceil(numel/p))``; ``bits`` (8 or 4) and ``block_size`` as the exchange
-    takes them.
+    of ``quantized_bytes(ceil(numel/p))``; for two ranks one swap of ``quantized_bytes(numel)``;
+    ``bits`` (8 or 4) and ``block_size`` as the exchange takes them.
     """
     p = world_size
     if p == 1:
         return Cost("quantized-allreduce", 0, 0.0, 0.0)
+    if p == 2:
+        return Cost("quantized-allreduce", 1, float(quantized_bytes(numel, bits, block_size)), 0.0)
     chunk = quantized_bytes(math.ceil(numel / p), bits, block_size)
     return Cost("quantized-allreduce", 2 * (p - 1), 2.0 * (p - 1) * chunk, 0.0)
 

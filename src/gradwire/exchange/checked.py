@@ -332,7 +332,7 @@ def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
     if size == 1:
         return tensor.clone()
     if size == 2:
-        return _sum_of_two(tensor, me, group, what=what, collective=collective)
+        return _sum_of_two(tensor, group, what=what, collective=collective)
     width = tensor.element_size()
     chunks = exact_allreduce_chunks(tensor.numel(), size)
     own = chunks[me]
@@ -350,14 +350,37 @@ def allreduce_sum_exact(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
     return gathered.view(tensor.dtype)
 
 
-def _sum_of_two(tensor: torch.Tensor, me: int, group: Optional[dist.ProcessGroup], *, what: str,
+def _sum_of_two(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
                 collective: str) -> torch.Tensor:
     """:func:`allreduce_sum_exact` for two ranks: each sends its whole tensor to the other, one round
     (``m`` words each way, as the reduce-scatter and AllGather send at p = 2)."""
+    return tensor + swap_with_peer(tensor, group, what=what, collective=f"{collective} (exchange)")
+
+
+def swap_with_peer(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, what: str,
+                   collective: str) -> torch.Tensor:
+    """In a group of two: the other rank's ``tensor``, for this rank's, in one ``all_to_all_single``
+    (each rank sends its whole tensor to the other and nothing to itself).
+
+    Args:
+        tensor: the same shape and dtype on both ranks, on the group's device.
+        group: a process group of two ranks (None: the default one).
+        what: the caller, for error messages.
+        collective: the collective's name, for error messages.
+
+    Returns:
+        The peer's tensor, ``tensor``'s shape and dtype.
+
+    Raises:
+        ValueError: the group does not have two ranks.
+        CollectiveError: the exchange failed.
+    """
+    if group_size(group) != 2:
+        raise ValueError(f"{what}: swap_with_peer needs a group of two ranks, got {group_size(group)}")
     nbytes = tensor.numel() * tensor.element_size()
-    sizes = [0, nbytes] if me == 0 else [nbytes, 0]
+    sizes = [0, nbytes] if group_rank(group) == 0 else [nbytes, 0]
     received = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
-    work = dist.all_to_all_single(received, tensor.contiguous().view(torch.uint8), output_split_sizes=sizes,
-                                  input_split_sizes=sizes, group=group, async_op=True)
-    wait_checked(work, what, f"{collective} (exchange)")
-    return tensor + received.view(tensor.dtype)
+    work = dist.all_to_all_single(received, tensor.contiguous().reshape(-1).view(torch.uint8),
+                                  output_split_sizes=sizes, input_split_sizes=sizes, group=group, async_op=True)
+    wait_checked(work, what, collective)
+    return received.view(tensor.dtype).reshape(tensor.shape)

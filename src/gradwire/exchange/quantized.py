@@ -14,12 +14,14 @@ input is ``(p s,)`` float32 laid out chunk by rank, rank j owning ``input[j s : 
 ``p s``, ``s = ceil(n / p)``, and reduce-scattered as above; the owner re-quantizes its summed shard
 ``S``; one AllGather (an ``all_to_all_single`` of equal sizes, gloo and NCCL) of the re-quantized
 shards; every rank, the owner included, dequantizes the gathered bytes, so the result is identical
-bit for bit on every rank.
+bit for bit on every rank. **Two ranks** swap their whole quantized inputs in one round instead
+(the same bytes, or a block's scale fewer) and each adds the two decodings: nothing is re-quantized.
 
 **Bytes per worker** (own share excluded, ``Q`` as above)::
 
     reduce-scatter  (p-1) Q(s)                 ~ (p-1)/p  n (bits/8 + 4/block_size)
     AllReduce       2 (p-1) Q(ceil(n/p))       ~ 2(p-1)/p n (bits/8 + 4/block_size)
+    AllReduce, p=2  Q(n) <= 2 Q(ceil(n/2))
 
 against ``(p-1)/p 4n`` and ``2(p-1)/p 4n`` for float32: a ratio of ``(bits/8 + 4/block_size) / 4``
 (int8, blocks of 128: 0.258; int4: 0.133). ``bytes_sent`` in each result is the exact count.
@@ -45,7 +47,8 @@ roundings, both on the owner: of its sum (``S_j - sum_r q_r^j``, what any float3
 and of ``e_j^j + c_j`` (half an ulp of that residual). ``e_r`` and ``c_j`` themselves are exact
 (:mod:`.blockquant`). The reduce-scatter alone telescopes the same way with ``residual_r = e_r``
 and ``S_j`` applied. Padding is zero on every rank, quantizes to exactly zero and carries no
-residual, so it is dropped from the results.
+residual, so it is dropped from the results. Two ranks' swap applies ``A = q_0 + q_1`` with
+``residual_r = e_r``: ``sum_r residual_r + A = sum_r x_r`` up to the rounding of that one addition.
 
 Blocking, on the caller's thread (:func:`start_quantized_reduce_scatter` returns the reduce-scatter in flight
 and finishes it on the caller's thread when asked); every rank must call with the same sizes, ``bits`` and
@@ -66,8 +69,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from ..finite import finite_flag
 from .blockquant import check_options, dequantize, roundtrip
-from .checked import allgather_tensor, group_rank, group_size, result_checked, wait_checked
+from .checked import allgather_tensor, group_rank, group_size, result_checked, swap_with_peer, wait_checked
 from .inflight import Launched
 
 WHAT_REDUCE_SCATTER = "quantized_reduce_scatter"
@@ -204,7 +208,7 @@ def start_quantized_reduce_scatter(input: torch.Tensor, *, bits: int, block_size
 
     def finish() -> QuantizedReduceScatterResult:  # (not the error: the caller has it, n-sized, from the start)
         shard = _sum_in_rank_order(received, s, bits, block_size, segments)
-        return QuantizedReduceScatterResult(shard, None, _all_finite(shard), sent, packed, received,
+        return QuantizedReduceScatterResult(shard, None, finite_flag(shard), sent, packed, received,
                                             (work,) if work is not None else ())
 
     return QuantizedScatterInFlight(error.reshape(-1), Launched(work, finish, "reduce-scatter all_to_all_single"))
@@ -226,7 +230,8 @@ class QuantizedScatterInFlight:
 
 def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
                         group: Optional[dist.ProcessGroup] = None) -> QuantizedAllreduceResult:
-    """Sum the ranks' flat inputs over int8/int4: quantized reduce-scatter, re-quantized AllGather.
+    """Sum the ranks' flat inputs over int8/int4: quantized reduce-scatter, re-quantized AllGather
+    (for two ranks, one swap of the quantized inputs: :func:`_swap_of_two`).
 
     Args:
         input: ``(n,)`` float32, any ``n`` (padded with zeros to ``p ceil(n / p)`` inside).
@@ -236,7 +241,8 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
 
     Returns:
         :class:`QuantizedAllreduceResult`; ``sent_by_collective`` is ``{"reduce-scatter": (p-1) Q,
-        "allgather": (p-1) Q}`` with ``Q = quantized_bytes(ceil(n / p), bits, block_size)``.
+        "allgather": (p-1) Q}`` with ``Q = quantized_bytes(ceil(n / p), bits, block_size)``; for two
+        ranks ``{"exchange": quantized_bytes(n, bits, block_size)}``.
 
     Raises:
         ValueError: ``input`` not 1-D float32, or bad options.
@@ -247,7 +253,9 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
     _check_flat(input, WHAT_ALLREDUCE)
     n = input.numel()
     if n == 0:  # every rank has the same n: all return without a collective
-        return QuantizedAllreduceResult(input.clone(), input.clone(), _all_finite(input), {})
+        return QuantizedAllreduceResult(input.clone(), input.clone(), finite_flag(input), {})
+    if size == 2:
+        return _swap_of_two(input, bits, block_size, group)
     chunk = math.ceil(n / size)
     padded = torch.nn.functional.pad(input, (0, size * chunk - n)).reshape(size, chunk)
     shard, error, sent = _reduce_scatter(padded, bits, block_size, group, size, WHAT_ALLREDUCE)
@@ -260,7 +268,21 @@ def quantized_allreduce(input: torch.Tensor, *, bits: int, block_size: int,
     sent["allgather"] = (size - 1) * packed.numel()
     # every rank, the owner included, applies the gathered bytes as decoded: identical on all ranks
     values = dequantize(gathered, chunk, bits=bits, block_size=block_size).reshape(-1)[:n]
-    return QuantizedAllreduceResult(values, error.reshape(-1)[:n], _all_finite(values), sent)
+    return QuantizedAllreduceResult(values, error.reshape(-1)[:n], finite_flag(values), sent)
+
+
+def _swap_of_two(input: torch.Tensor, bits: int, block_size: int,
+                 group: Optional[dist.ProcessGroup]) -> QuantizedAllreduceResult:
+    """:func:`quantized_allreduce` for two ranks: each quantizes its whole input once, the two swap
+    them in one ``all_to_all_single`` (``Q(n) <= 2 Q(ceil(n/2))`` bytes each way: what the
+    reduce-scatter and the AllGather send together at p = 2, one round fewer), and each adds the two
+    decodings, ``D(Q(x_0)) + D(Q(x_1))``: float32 addition commutes, so both ranks hold the same bits.
+    No sum is re-quantized, so the residual is the local error alone and the applied sum is within
+    the two sources' half scales of the exact one (the AllGather's re-quantization adds the owner's)."""
+    packed, local = roundtrip(input, bits=bits, block_size=block_size)  # (Q,), (n,): local is D(packed)
+    peer = swap_with_peer(packed, group, what=WHAT_ALLREDUCE, collective="exchange all_to_all_single")
+    values = local + dequantize(peer, input.numel(), bits=bits, block_size=block_size)
+    return QuantizedAllreduceResult(values, input - local, finite_flag(values), {"exchange": packed.numel()})
 
 
 def _reduce_scatter(chunks: torch.Tensor, bits: int, block_size: int, group: Optional[dist.ProcessGroup],
@@ -300,8 +322,3 @@ def _members(group: Optional[dist.ProcessGroup], what: str) -> int:
 def _check_flat(input: torch.Tensor, what: str) -> None:
     if input.dtype != torch.float32 or input.dim() != 1:
         raise ValueError(f"{what}: input must be a 1-D float32 tensor, got {input.dtype} {tuple(input.shape)}")
-
-
-def _all_finite(values: torch.Tensor) -> torch.Tensor:
-    """0-dim bool on ``values``' device; no host sync (the caller reads it when it decides)."""
-    return torch.isfinite(values).all()

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..errors import DecodeError
+from ..finite import all_finite
 from ..sparse import is_support
 from .checked import (allreduce_sum_exact, exchange_counts, group_rank, group_size, result_checked,
                       start_alltoall_sized)
@@ -193,7 +194,7 @@ def start_sparse_reduce_scatter(*, indices: torch.Tensor, values: torch.Tensor, 
             pieces = [decode_region(codec, chunk, lengths[me], wide, f"{what}: rank {src}'s contribution")
                       for src, chunk in enumerate(chunks)]
             region_indices, sums = reduce_in_rank_order(pieces, device, lengths[me])
-            if not bool(torch.isfinite(sums).all()):
+            if not all_finite(sums):
                 status = RegionStatus.NONFINITE
         except DecodeError as caught:
             status, error, pieces = RegionStatus.DECODE_FAILED, caught, []

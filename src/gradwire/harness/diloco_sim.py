@@ -392,7 +392,8 @@ def replay_quantized_allreduce(inputs: list[Tensor], bits: int, block: int) -> t
     """``QuantizedAllReduce`` (:mod:`gradwire.exchange.quantized`) over W workers' vectors, in one process.
 
     Each worker's ``p`` chunks quantized, owner j's float32 sum of chunk j in rank order,
-    re-quantized; every rank applies the re-quantized sums as decoded.
+    re-quantized; every rank applies the re-quantized sums as decoded (two workers: the sum of
+    their whole inputs' decodings, as the exchange's swap).
 
     Args:
         inputs: per worker, (n,) float32, the same n.
@@ -404,6 +405,9 @@ def replay_quantized_allreduce(inputs: list[Tensor], bits: int, block: int) -> t
         chunk it owns); the bytes one worker sends.
     """
     p, numel = len(inputs), inputs[0].numel()
+    if p == 2:  # the exchange's swap of two: each rank adds both decodings, nothing re-quantized
+        (packed, first), (_, second) = (roundtrip(flat, bits=bits, block_size=block) for flat in inputs)
+        return first + second, [inputs[0] - first, inputs[1] - second], float(packed.numel())
     chunk = math.ceil(numel / p)
     locals_, errors = [], []
     for flat in inputs:

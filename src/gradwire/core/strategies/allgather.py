@@ -13,7 +13,8 @@ from ...errors import DecodeError, collective_failed
 from ...exchange import FRAME_HEADER_BYTES, ByteGather, CostModel, gather_frames, gather_overflow
 from ..digest import digest_of
 from ..frames import FRAME_HEADROOM, FrameSizes
-from ..group import Group, all_finite
+from ...finite import all_finite
+from ..group import Group
 from ..scatter import scatter_add
 from .base import Exchange, ExchangeContext, ExchangeStrategy
 from .dense import DenseAllReduce

@@ -10,7 +10,8 @@ import torch
 from ... import kernels
 from ...exchange import allreduce_sum, ring_allreduce_bytes
 from ..digest import lanes_digest
-from ..group import Group, all_finite
+from ...finite import all_finite
+from ..group import Group
 from .base import Exchange, ExchangeStrategy
 
 

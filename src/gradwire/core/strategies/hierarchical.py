@@ -10,6 +10,7 @@ import torch
 
 from ...errors import CollectiveError, DecodeError, collective_failed
 from ...exchange.hierarchy import Hierarchy, build_hierarchy, hierarchical_sparse_allreduce
+from ...finite import all_finite
 from ...sparsify.base import Sparsifier
 from ..feedback import ErrorFeedback, accumulation_dtype
 from ..group import Group
@@ -76,7 +77,7 @@ class HierarchicalExchange(DeferredStrategy):
         tensor_id = hash(group.signature()) & 0x7FFFFFFF
 
         def select(shard_sum: torch.Tensor) -> torch.Tensor:
-            if not bool(torch.isfinite(shard_sum).all()):  # one NaN entry tells every rank
+            if not all_finite(shard_sum):  # one NaN entry tells every rank
                 return torch.zeros(1, dtype=torch.int64, device=shard_sum.device)
             return self.sparsifier.select(shard_sum, step=step, tensor_id=tensor_id)
 

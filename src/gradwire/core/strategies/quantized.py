@@ -21,7 +21,8 @@ class QuantizedAllReduce(ExchangeStrategy):
     2. ``exchange.quantized_allreduce``: every rank quantizes its chunks in blocks of
        ``block_size`` (int8/int4, one float32 scale per block), an all-to-all reduce-scatter, the
        owner sums in float32 in rank order and re-quantizes, an all-to-all AllGather; every rank
-       dequantizes the same bytes, so every rank applies the same result;
+       dequantizes the same bytes, so every rank applies the same result (two ranks swap their
+       quantized inputs in one round and each adds both decodings, re-quantizing nothing);
     3. NaN/Inf on any rank travels as NaN scales: every rank marks the group non-finite together;
     4. write the result divided by ``group.divisor``; each rank keeps its residual (its
        quantization error, plus the owner's re-quantization error on the chunk it owns), so what

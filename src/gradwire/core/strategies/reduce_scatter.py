@@ -58,7 +58,8 @@ from ...lifetime import track
 from ...sparsify.base import Sparsifier
 from ..digest import balanced_share, chain_share, digest_of
 from ..feedback import ErrorFeedback, accumulation_dtype
-from ..group import BufferTarget, Entry, Group, ShardTarget, Status, all_finite
+from ...finite import all_finite
+from ..group import BufferTarget, Entry, Group, ShardTarget, Status
 from ..selection import Selection
 from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 from .dense import DenseAllReduce

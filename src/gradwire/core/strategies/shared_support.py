@@ -7,7 +7,8 @@ import torch
 from ...exchange import allreduce_sum, ring_allreduce_bytes
 from ..config import CAST_VALUE_CODECS
 from ..digest import digest_of
-from ..group import Group, all_finite, flat_positions
+from ...finite import all_finite
+from ..group import Group, flat_positions
 from .base import Exchange, ExchangeStrategy
 
 _WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -14,7 +14,8 @@ from ...exchange.regions import balanced_boundaries, equal_boundaries
 from ...exchange.sparse_allreduce import SparseAllreduceResult, sparse_allreduce
 from ...exchange.sparse_reduce_scatter import reduce_in_rank_order
 from ..digest import digest_of
-from ..group import Group, all_finite
+from ...finite import all_finite
+from ..group import Group
 from .base import DeferredStrategy, ExchangeContext
 
 #: Steps between refreshes of a layout's regions (one small AllReduce each; Ok-Topk uses 64).
