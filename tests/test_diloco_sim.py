@@ -44,6 +44,8 @@ CASES = {  # name -> (world size, DiLoCo options)
     "sparse-allreduce-qsgd-model": (3, {"compressor": "topk", "density": 0.1, "collective": "sparse-allreduce",
                                         "value_codec": "qsgd-ans", "codec_options": {"rounding": "nearest"},
                                         "unsent": "model"}),
+    # two ranks: the quantized AllReduce swaps the whole quantized Δs (the replay must too)
+    "int4-two": (2, {"quantize": "int4", "quantize_block": 16}),
     "momentum-correction": (3, {"compressor": "topk", "density": 0.2, "collective": "allgather", "outer_momentum": 0.0,
                                 "momentum_correction": 0.9}),
 }

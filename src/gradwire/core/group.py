@@ -99,15 +99,16 @@ class BufferTarget:
             return self.buffers[0].view(-1)
         return torch.cat([b.reshape(-1) for b in self.buffers])
 
-    def output(self, dtype: torch.dtype) -> torch.Tensor:
+    def output(self, dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
         """A zeroed flat tensor to sum the received gradients into: the buffer itself when there is
         one of that dtype (compensation already copied every gradient out), so the result needs no
-        further copy; else a new one."""
+        further copy; else a new one. ``zeroed=False``: for a result that writes every element (a
+        dense one), as it is."""
         if len(self.buffers) == 1 and self.buffers[0].dtype == dtype and self.buffers[0].is_contiguous():
             flat = self.buffers[0].view(-1)
-            zeroed, self.zeroed = self.zeroed, False
-            return flat if zeroed else flat.zero_()
-        return torch.zeros(self.numel, dtype=dtype, device=self.device)
+            was_zeroed, self.zeroed = self.zeroed, False
+            return flat if was_zeroed or not zeroed else flat.zero_()
+        return (torch.zeros if zeroed else torch.empty)(self.numel, dtype=dtype, device=self.device)
 
     def write(self, result: torch.Tensor) -> None:
         """Copy the flat result into the buffers (unless it is the buffer already)."""
@@ -192,12 +193,12 @@ class ShardTarget:
     def flat_input(self) -> torch.Tensor:
         return self.input
 
-    def shard_output(self, dtype: torch.dtype) -> torch.Tensor:
+    def shard_output(self, dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
         """A zeroed ``(s,)`` tensor of ``dtype`` to sum this rank's shard into: the output itself
-        when it has that dtype, else a new one."""
+        when it has that dtype, else a new one (``zeroed=False``: as it is, for a dense result)."""
         if self.output.dtype == dtype and self.output.is_contiguous():
-            return self.output.zero_()
-        return torch.zeros(self.shard_numel, dtype=dtype, device=self.output.device)
+            return self.output.zero_() if zeroed else self.output
+        return (torch.zeros if zeroed else torch.empty)(self.shard_numel, dtype=dtype, device=self.output.device)
 
     def write(self, result: torch.Tensor) -> None:
         """Copy the ``(s,)`` result into the output (cast to its dtype), unless it is the output."""
@@ -302,12 +303,13 @@ class Group:
     def flat_gradient(self) -> torch.Tensor:
         return self.target.flat_input()
 
-    def output_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+    def output_buffer(self, dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
         """A zeroed flat tensor of ``dtype`` the result is summed into: the whole flat space for a
-        :class:`BufferTarget`, this rank's shard for a :class:`ShardTarget`."""
+        :class:`BufferTarget`, this rank's shard for a :class:`ShardTarget`. ``zeroed=False`` skips
+        the zero-fill, for a dense result that writes every element."""
         if isinstance(self.target, ShardTarget):
-            return self.target.shard_output(dtype)
-        return self.target.output(dtype)
+            return self.target.shard_output(dtype, zeroed=zeroed)
+        return self.target.output(dtype, zeroed=zeroed)
 
     # ------------------------------------------------------------------------- outcomes
     def keep(self, entry: Entry, indices: torch.Tensor, sent: torch.Tensor) -> None:

@@ -44,12 +44,7 @@ class QuantizedAllReduce(ExchangeStrategy):
     def _run(self, group: Group) -> None:
         context = self.context
         with context.stats.timer("encode"):
-            flat = group.flat_gradient().to(torch.float32, copy=True)
-            if self.feedback is not None:
-                for entry in group.entries:
-                    residual = self.feedback.residual(entry.key)
-                    if residual is not None:
-                        flat[entry.offset: entry.offset + entry.numel] += residual.to(flat.dtype)
+            flat = self._compensated(group)
             if not group.finite:  # one NaN block tells every rank, through the owner's sum
                 flat[:1] = math.nan
         try:
@@ -69,8 +64,32 @@ class QuantizedAllReduce(ExchangeStrategy):
             if self.feedback is not None:
                 for entry in group.entries:
                     piece = result.residual[entry.offset: entry.offset + entry.numel]
-                    group.keep_residual(entry, self.feedback.held_copy(piece, accumulation_dtype(entry.grad)))
-            out = group.output_buffer(group.dtype)
-            out.copy_(result.values.to(out.dtype))
-            out.div_(group.divisor)
+                    # the result's residual is this strategy's own: hold its pieces as they are
+                    # unless they are to be stored in another dtype
+                    kept = piece if (self.feedback.storage_dtype is None
+                                     and piece.dtype == accumulation_dtype(entry.grad)) \
+                        else self.feedback.held_copy(piece, accumulation_dtype(entry.grad))
+                    group.keep_residual(entry, kept)
+            # every element is written: the output needs no zero-fill, and the division writes it
+            out = group.output_buffer(group.dtype, zeroed=False)
+            torch.div(result.values.to(out.dtype), group.divisor, out=out)
             group.write(out)
+
+    def _compensated(self, group: Group) -> torch.Tensor:
+        """``grad + residual`` over the group's flat space, float32, in one pass where an entry has
+        a residual (``torch.add(out=)``) and one copy elsewhere."""
+        source = group.flat_gradient()
+        flat = torch.empty(source.numel(), dtype=torch.float32, device=source.device)
+        done = 0  # flat[:done] is written
+        for entry in sorted(group.entries, key=lambda e: e.offset):
+            residual = self.feedback.residual(entry.key) if self.feedback is not None else None
+            if residual is None:
+                continue
+            start, end = entry.offset, entry.offset + entry.numel
+            if start > done:
+                flat[done:start] = source[done:start]
+            torch.add(source[start:end], residual.to(torch.float32), out=flat[start:end])
+            done = max(done, end)
+        if done < flat.numel():
+            flat[done:] = source[done:]
+        return flat
