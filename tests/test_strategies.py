@@ -218,3 +218,28 @@ def test_quantized_allreduce_telescopes_and_fails_together(bits: int) -> None:
         assert result["gap"] < 1e-5 * result["scale"], result  # float32 roundings only
         assert "NaN or Inf" in result["raised"], result  # the typed error, on every rank
         assert result["sent"] < (0.6 if bits == 8 else 0.4) * result["dense"], result
+
+
+def worker_quantized_unused(rank: int, world_size: int) -> dict:
+    """A parameter with no gradient in a step (all zeros on every rank) after a step that left it a
+    residual: the quantized AllReduce sends nothing of it and keeps its residual whole."""
+    model = _model()
+    exchange = gradwire.GradientExchange(model, compressor="none", quantize="int4", quantize_block=16)
+    last = list(model.parameters())[-1]
+    for step in range(2):
+        model.zero_grad()
+        inputs, targets = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        if step == 1:
+            before = exchange.feedback.residual(id(last)).clone()
+            last.grad.zero_()
+        exchange.synchronize()
+    after = exchange.feedback.residual(id(last))
+    return {"residual_before": float(before.abs().sum()), "residual_kept": bool(torch.equal(after, before)),
+            "applied": float(last.grad.abs().sum())}
+
+
+def test_an_unused_parameter_keeps_its_quantization_residual_whole() -> None:
+    for result in run_workers(worker_quantized_unused, 2, timeout=120):
+        assert result["residual_before"] > 0, result  # int4 left something behind in step 0
+        assert result["residual_kept"] and result["applied"] == 0.0, result  # not sent, not replaced

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Union
+from typing import TYPE_CHECKING, Hashable, Optional, Union
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ import torch.distributed as dist
 from .. import kernels
 from ..finite import all_finite
 from ..exchange.cost import ring_allreduce_bytes
+
+if TYPE_CHECKING:
+    from .feedback import ErrorFeedback
 
 
 class Status(enum.IntEnum):
@@ -302,6 +305,27 @@ class Group:
 
     def flat_gradient(self) -> torch.Tensor:
         return self.target.flat_input()
+
+    def compensated_input(self, feedback: "Optional[ErrorFeedback]") -> torch.Tensor:
+        """``grad + residual`` over the flat input, as a new float32 tensor: one ``torch.add(out=)``
+        per used entry that holds a residual, one copy elsewhere. An unused entry sends its (zero)
+        gradient and keeps its residual whole, which the strategy then does not replace
+        (:meth:`keep_residual` skips it): nothing of it is sent twice."""
+        source = self.flat_gradient()
+        flat = torch.empty(source.numel(), dtype=torch.float32, device=source.device)
+        done = 0  # flat[:done] is written
+        for entry in sorted(self.entries, key=lambda e: e.offset):
+            residual = feedback.residual(entry.key) if feedback is not None and not entry.unused else None
+            if residual is None:
+                continue
+            start, end = entry.offset, entry.offset + entry.numel
+            if start > done:
+                flat[done:start] = source[done:start]
+            torch.add(source[start:end], residual.to(torch.float32), out=flat[start:end])
+            done = max(done, end)
+        if done < flat.numel():
+            flat[done:] = source[done:]
+        return flat
 
     def output_buffer(self, dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
         """A zeroed flat tensor of ``dtype`` the result is summed into: the whole flat space for a

@@ -364,18 +364,9 @@ class SimulatedExchange:
         return applied.div_(self.workers), nbytes
 
     def compensated(self, groups: list[Group]) -> list[Tensor]:
-        """Per worker, its group's flat gradient plus its residuals (float32 copies)."""
-        flats = []
-        for worker, group in enumerate(groups):
-            flat = group.flat_gradient().to(torch.float32, copy=True)
-            feedback = self.feedback[worker]
-            if feedback is not None:
-                for entry in group.entries:
-                    residual = feedback.residual(entry.key)
-                    if residual is not None:
-                        flat[entry.offset: entry.offset + entry.numel] += residual
-            flats.append(flat)
-        return flats
+        """Per worker, its group's flat gradient plus its used entries' residuals (float32, new), as
+        the quantized strategy builds it (:meth:`~gradwire.core.group.Group.compensated_input`)."""
+        return [group.compensated_input(self.feedback[worker]) for worker, group in enumerate(groups)]
 
     def keep_residuals(self, groups: list[Group], residuals: list[Tensor]) -> None:
         """Worker w's residuals := ``residuals[w]`` (flat, its group's space), per used entry."""

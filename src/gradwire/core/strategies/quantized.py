@@ -17,7 +17,8 @@ from .base import Exchange, ExchangeContext, ExchangeStrategy, run_guarded
 
 class QuantizedAllReduce(ExchangeStrategy):
     """1. ``x = grad + residual`` over the group's flat space (float32; the residual is what
-       earlier rounds' quantization left out, per entry);
+       earlier rounds' quantization left out, per entry; an unused entry, no gradient this round,
+       sends zeros and keeps its residual whole: :meth:`~..group.Group.compensated_input`);
     2. ``exchange.quantized_allreduce``: every rank quantizes its chunks in blocks of
        ``block_size`` (int8/int4, one float32 scale per block), an all-to-all reduce-scatter, the
        owner sums in float32 in rank order and re-quantizes, an all-to-all AllGather; every rank
@@ -44,7 +45,7 @@ class QuantizedAllReduce(ExchangeStrategy):
     def _run(self, group: Group) -> None:
         context = self.context
         with context.stats.timer("encode"):
-            flat = self._compensated(group)
+            flat = group.compensated_input(self.feedback)  # unused entries keep their residual whole
             if not group.finite:  # one NaN block tells every rank, through the owner's sum
                 flat[:1] = math.nan
         try:
@@ -74,22 +75,3 @@ class QuantizedAllReduce(ExchangeStrategy):
             out = group.output_buffer(group.dtype, zeroed=False)
             torch.div(result.values.to(out.dtype), group.divisor, out=out)
             group.write(out)
-
-    def _compensated(self, group: Group) -> torch.Tensor:
-        """``grad + residual`` over the group's flat space, float32, in one pass where an entry has
-        a residual (``torch.add(out=)``) and one copy elsewhere."""
-        source = group.flat_gradient()
-        flat = torch.empty(source.numel(), dtype=torch.float32, device=source.device)
-        done = 0  # flat[:done] is written
-        for entry in sorted(group.entries, key=lambda e: e.offset):
-            residual = self.feedback.residual(entry.key) if self.feedback is not None else None
-            if residual is None:
-                continue
-            start, end = entry.offset, entry.offset + entry.numel
-            if start > done:
-                flat[done:start] = source[done:start]
-            torch.add(source[start:end], residual.to(torch.float32), out=flat[start:end])
-            done = max(done, end)
-        if done < flat.numel():
-            flat[done:] = source[done:]
-        return flat

@@ -256,12 +256,7 @@ class QuantizedReduceScatter(ShardStrategy):
         context, target = self.context, group.target
         assert isinstance(target, ShardTarget)
         with context.stats.timer("encode"):
-            flat = target.flat_input().to(torch.float32, copy=True)
-            if self.feedback is not None:
-                for entry in group.entries:
-                    residual = self.feedback.residual(entry.key)
-                    if residual is not None and not entry.unused:  # an unused entry keeps its residual whole
-                        flat[entry.offset: entry.offset + entry.numel] += residual.to(flat.dtype)
+            flat = group.compensated_input(self.feedback)  # an unused entry keeps its residual whole
             if not group.finite:  # owner 0 decodes a NaN block: every rank learns it at the agreement
                 flat[:1] = math.nan
             try:
