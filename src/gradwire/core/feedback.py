@@ -150,7 +150,7 @@ class ErrorFeedback:
         if self.decay != 1.0:  # an extra pass only for a decaying memory
             compensated.mul_(self.decay)
 
-    def held_copy(self, residual: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
+    def held_copy(self, residual: torch.Tensor, accumulate: torch.dtype, *, owned: bool = False) -> torch.Tensor:
         """A copy of a new residual in the dtype it will be stored in, to hold until the round's
         agreement and then :meth:`replace` with: a round that waits for other groups (FSDP2: every
         module of a step) holds bfloat16 residuals at half the bytes.
@@ -158,11 +158,14 @@ class ErrorFeedback:
         Args:
             residual: flat (read only).
             accumulate: the residuals' dtype when no ``storage_dtype`` is set (float32/float64).
+            owned: ``residual`` is the caller's own (a view of a tensor nothing else reads or
+                writes, e.g. an exchange's result): held as it is when it is in that dtype already.
 
         Returns:
-            A new tensor of ``residual.numel()`` elements in ``storage_dtype`` (or ``accumulate``).
+            ``residual.numel()`` elements in ``storage_dtype`` (or ``accumulate``): a new tensor,
+            or with ``owned`` ``residual`` itself where no conversion is needed.
         """
-        return residual.to(self.storage_dtype or accumulate, copy=True)
+        return residual.to(self.storage_dtype or accumulate, copy=not owned)
 
     def replace(self, key: Hashable, residual: torch.Tensor) -> None:
         """Keep ``residual`` (flat) for ``key``: an exchange that computed the new residual whole

@@ -64,13 +64,9 @@ class QuantizedAllReduce(ExchangeStrategy):
             group.digest = digest_of([result.values])  # identical on every rank by construction
             if self.feedback is not None:
                 for entry in group.entries:
-                    piece = result.residual[entry.offset: entry.offset + entry.numel]
-                    # the result's residual is this strategy's own: hold its pieces as they are
-                    # unless they are to be stored in another dtype
-                    kept = piece if (self.feedback.storage_dtype is None
-                                     and piece.dtype == accumulation_dtype(entry.grad)) \
-                        else self.feedback.held_copy(piece, accumulation_dtype(entry.grad))
-                    group.keep_residual(entry, kept)
+                    piece = result.residual[entry.offset: entry.offset + entry.numel]  # the exchange's own
+                    group.keep_residual(entry, self.feedback.held_copy(piece, accumulation_dtype(entry.grad),
+                                                                       owned=True))
             # every element is written: the output needs no zero-fill, and the division writes it
             out = group.output_buffer(group.dtype, zeroed=False)
             torch.div(result.values.to(out.dtype), group.divisor, out=out)
